@@ -1,0 +1,112 @@
+"""Basic layers: RMSNorm, rotary position embedding with YaRN, SwiGLU FFN.
+
+Shape legend: B batch, L sequence length, H heads, R rotary dim (qk_rope_head_dim), D model dim, F FFN dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in fp32 and cast back, as in the released model.
+
+    Shapes: x (..., D) -> (..., D).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (R/2,) of the rotary embedding, with YaRN interpolation when ``rope_factor > 1``.
+
+    YaRN (Peng et al. 2023, arXiv 2309.00071): dimensions whose wavelength is short relative to the original context
+    keep their frequency (extrapolation), long ones are divided by ``factor`` (interpolation), with a linear ramp
+    between the correction bounds given by beta_fast / beta_slow rotations. Bounds are floored/ceiled as in the
+    DeepSeek-V3 reference and HF ``_compute_yarn_parameters`` (truncate=True).
+    """
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if cfg.rope_factor <= 1.0:
+        return freqs
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(cfg.rope_original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1.0 - ramp
+    return freqs / cfg.rope_factor * (1 - extrapolation_weight) + freqs * extrapolation_weight
+
+
+def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (L, R/2), fp32, for positions 0..L-1.
+
+    YaRN's attention-temperature factor mscale(factor, mscale)/mscale(factor, mscale_all_dim) multiplies both tables
+    (it is 1.0 for DeepSeek-V3, whose softmax scale absorbs the correction instead; see ``ModelConfig.softmax_scale``).
+    """
+    inv = rope_inv_freq(cfg).to(device)
+    t = torch.arange(seq_len, dtype=torch.float32, device=device)
+    angles_LR = torch.outer(t, inv)
+    scale = 1.0
+    if cfg.rope_factor > 1.0 and cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        def m(s: float) -> float:
+            return 0.1 * s * math.log(cfg.rope_factor) + 1.0
+        scale = m(cfg.rope_mscale) / m(cfg.rope_mscale_all_dim)
+    return angles_LR.cos() * scale, angles_LR.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate the last dim of ``x`` (B, L, H, R) by position.
+
+    interleave=True rotates pairs (x0, x1), (x2, x3), ... -- the layout of the released DeepSeek weights -- and
+    returns them in the same interleaved layout. interleave=False rotates (x_i, x_{i+R/2}) pairs (rotate-half).
+    Computed in fp32, returned in x's dtype.
+    """
+    cos = cos_LR[None, :, None, :]
+    sin = sin_LR[None, :, None, :]
+    xf = x.float()
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU FFN (Shazeer 2020): w2(silu(w1 x) * w3 x). Shapes: x (..., D) -> (..., D); hidden F.
+
+    Weight names follow TorchTitan (w1 gate, w3 up, w2 down); HF names are gate_proj, up_proj, down_proj.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

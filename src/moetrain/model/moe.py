@@ -1,0 +1,439 @@
+"""Mixture-of-Experts layer: router, token dispatch (local permutation), grouped-GEMM experts, shared experts.
+
+The router decides, the dispatcher moves, the experts compute. This file is single-device code: it knows nothing
+about processes. :class:`LocalDispatcher` is the EP = 1 permutation; ``moetrain.parallel.dispatch`` provides the
+all-to-all dispatcher with the same interface, plugged in from outside by ``parallelize``.
+
+Shape legend (suffixes on tensor names):
+    B batch, L sequence length, T tokens (= B*L), D model dim, E routed experts (all), El experts held locally,
+    K top-k, F expert FFN dim, G expert groups, S dispatched rows (token-expert assignments after dropping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import SwiGLU
+
+DropPolicy = Literal["probs", "position"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Router
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class RouterOutput:
+    """What the router decided for T tokens.
+
+    Attributes:
+        topk_idx_TK: selected expert ids (int64).
+        topk_weight_TK: gate weights, fp32, computed from the *unbiased* scores (normalised and scaled as configured).
+        scores_TE: fp32 affinity scores (sigmoid or softmax of the logits), used by the balance loss.
+    """
+
+    topk_idx_TK: torch.Tensor
+    topk_weight_TK: torch.Tensor
+    scores_TE: torch.Tensor
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 gate: fp32 scores, group-limited top-k, auxiliary-loss-free bias (arXiv 2412.19437, sec. 2.1.2).
+
+    The ``expert_bias`` buffer (HF ``e_score_correction_bias``) is added to the scores only to *select* experts; gate
+    weights use the unbiased scores. With ``n_expert_groups > 1``, a group is scored by the sum of its top-2 biased
+    scores and only the best ``n_limited_groups`` groups are eligible. ``routing="balanced"`` replaces the selection
+    with a round-robin one (every expert gets the same number of tokens) for benchmarks, as the published records do;
+    the gate weights still come from the scores so the router keeps receiving gradients.
+
+    forward(x_TD) -> RouterOutput.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts = cfg.n_routed_experts
+        self.top_k = cfg.top_k
+        self.n_groups = cfg.n_expert_groups
+        self.n_limited_groups = cfg.n_limited_groups
+        self.score_func = cfg.score_func
+        self.norm_topk = cfg.norm_topk
+        self.route_scale = cfg.route_scale
+        self.routing = cfg.routing
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.score_func == "sigmoid":
+            scores_TE = logits_TE.sigmoid()
+        else:
+            scores_TE = logits_TE.softmax(dim=-1)
+        T = scores_TE.shape[0]
+        if self.routing == "balanced":
+            topk_idx_TK = balanced_assignment(T, self.top_k, self.n_experts, scores_TE.device)
+        else:
+            with torch.no_grad():
+                choice_TE = scores_TE + self.expert_bias
+                if self.n_groups > 1:
+                    choice_TGe = choice_TE.view(T, self.n_groups, -1)
+                    group_scores_TG = choice_TGe.topk(2, dim=-1).values.sum(dim=-1)
+                    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+                    keep_TG.scatter_(1, group_scores_TG.topk(self.n_limited_groups, dim=-1).indices, True)
+                    choice_TE = choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+                topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        weight_TK = scores_TE.gather(1, topk_idx_TK)
+        if self.norm_topk:
+            weight_TK = weight_TK / (weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return RouterOutput(topk_idx_TK, weight_TK * self.route_scale, scores_TE)
+
+
+def balanced_assignment(T: int, K: int, E: int, device: torch.device | None = None) -> torch.Tensor:
+    """Round-robin routing: token t gets experts (t*K + j) mod E, j < K. Returns (T, K) int64.
+
+    Every expert receives floor or ceil of T*K/E assignments and no token gets an expert twice (K <= E).
+    """
+    return (torch.arange(T * K, device=device) % E).view(T, K)
+
+
+def sequence_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    """Sequence-wise balance loss, summed over sequences (DeepSeek-V3 report, eqs. 17-20), without alpha.
+
+    For each sequence of L tokens: f_i = E / (K L) * #{t : i in topk(t)}, P_i = mean_t s_{i,t} / sum_j s_{j,t},
+    loss = sum_i f_i P_i. The selection counted is the final one (after group limiting and bias). Returns a scalar
+    fp32 tensor: the sum over the ``n_seqs`` sequences (tokens are laid out sequence-major, T = n_seqs * L), so the
+    caller can normalise by the global number of sequences.
+    """
+    T, E = scores_TE.shape
+    K = topk_idx_TK.shape[1]
+    L = T // n_seqs
+    sel_BE = torch.zeros(n_seqs, E, device=scores_TE.device, dtype=torch.float32)
+    sel_BE.scatter_add_(1, topk_idx_TK.view(n_seqs, L * K),
+                        torch.ones(n_seqs, L * K, device=scores_TE.device, dtype=torch.float32))
+    f_BE = sel_BE * (E / (K * L))
+    p_BE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).view(n_seqs, L, E).mean(dim=1)
+    return (f_BE * p_BE).sum()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Experts: grouped GEMM
+# ----------------------------------------------------------------------------------------------------------------
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.device.type == "cuda":
+        # The CUDA kernel is bf16-only and needs sm90+ (Hopper) or newer.
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return False
+
+
+class _GroupedMM(torch.autograd.Function):
+    """y_SN = x_SK @ w_EKN[e(s)] for rows grouped by expert; ``offs_E`` are the int32 cumulative row counts.
+
+    Wraps ``torch._grouped_mm`` with an explicit backward (its own needs a contiguous gradient, which an expanded one
+    from ``sum()`` is not): grad_x = grad_y @ w^T grouped, grad_w[e] = x_e^T @ grad_y_e as one grouped GEMM.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x_SK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_SK, w_EKN, offs_E)
+        return torch._grouped_mm(x_SK, w_EKN, offs=offs_E)
+
+    @staticmethod
+    def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
+        x_SK, w_EKN, offs_E = ctx.saved_tensors
+        grad_SN = grad_SN.contiguous()
+        grad_x = torch._grouped_mm(grad_SN, w_EKN.transpose(-2, -1), offs=offs_E) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._grouped_mm(x_SK.t(), grad_SN, offs=offs_E)
+            # Rows past offs[-1] (padding) and experts with no rows contribute nothing; the kernel leaves empty
+            # groups' gradient at zero.
+        return grad_x, grad_w, None
+
+
+def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+               counts: list[int] | None = None, use_grouped_mm: bool = True) -> torch.Tensor:
+    """Grouped GEMM: rows of ``x_SK`` are grouped by expert (``tokens_per_expert_E`` rows each, in expert order) and
+    each group is multiplied by its expert's ``w_EKN[e]``. Returns (S, N).
+
+    Uses ``torch._grouped_mm`` where the build and device support it; otherwise an exact per-expert loop, which needs
+    the counts on the host (``counts``; computed with one device-to-host copy if not given).
+    """
+    if use_grouped_mm and _grouped_mm_supported(x_SK):
+        offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+        return _GroupedMM.apply(x_SK, w_EKN.to(x_SK.dtype), offs_E)
+    if counts is None:
+        counts = tokens_per_expert_E.tolist()  # host sync: the loop needs python ints
+    outs = [xe @ w_EKN[e].to(x_SK.dtype) for e, xe in enumerate(torch.split(x_SK, counts, dim=0))]
+    rest = x_SK.shape[0] - sum(counts)
+    if rest:
+        outs.append(x_SK.new_zeros(rest, w_EKN.shape[-1]))
+    return torch.cat(outs, dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """Routed experts with stacked SwiGLU weights, computed as grouped GEMMs over rows sorted by expert.
+
+    Parameters: w1_EFD (gate), w3_EFD (up), w2_EDF (down). Under expert parallelism ``parallelize`` keeps only this
+    rank's slice of El = E/EP experts; the module is the same.
+
+    forward(x_SD, tokens_per_expert_E) -> (S, D). Rows past sum(tokens_per_expert) (capacity padding) give zeros.
+    """
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1_EFD = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2_EDF = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3_EFD = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.use_grouped_mm = True
+
+    def forward(self, x_SD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x_SD)
+        x_SD = x_SD.to(dtype)
+        counts = None if (self.use_grouped_mm and _grouped_mm_supported(x_SD)) else tokens_per_expert_E.tolist()
+        h1_SF = grouped_mm(x_SD, self.w1_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
+        h3_SF = grouped_mm(x_SD, self.w3_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
+        return grouped_mm(F.silu(h1_SF) * h3_SF, self.w2_EDF.transpose(1, 2), tokens_per_expert_E, counts,
+                          self.use_grouped_mm)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return x.dtype
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class CapacityConfig:
+    """Token dropping. ``factor=None`` is dropless (the default, as DeepSeek-V3 trains).
+
+    capacity per expert = ceil(factor * T * K / E) for the T tokens of one micro-batch on one rank (Megatron-Core
+    convention, sub-sequence level). policy "probs" drops an expert's lowest-gate-weight assignments first,
+    "position" its latest tokens first. ``pad`` pads every local expert to its full capacity (static shapes).
+    """
+
+    factor: float | None = None
+    policy: DropPolicy = "probs"
+    pad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.factor is not None and not self.factor > 0:
+            raise ValueError(f"capacity factor={self.factor} must be > 0, or None for dropless")
+        if self.policy not in ("probs", "position"):
+            raise ValueError(f"capacity drop policy={self.policy!r}; allowed: 'probs', 'position'")
+
+
+def capacity_keep_mask(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, n_experts: int,
+                       cap: CapacityConfig) -> tuple[torch.Tensor | None, int]:
+    """Which assignments survive the capacity limit. Returns (keep_TK bool or None when dropless, capacity)."""
+    if cap.factor is None:
+        return None, 0
+    T, K = topk_idx_TK.shape
+    capacity = math.ceil(cap.factor * T * K / n_experts)
+    flat_e = topk_idx_TK.reshape(-1)
+    if cap.policy == "probs":
+        priority = -topk_weight_TK.detach().reshape(-1)  # higher weight first
+    else:
+        priority = torch.arange(T * K, device=flat_e.device, dtype=torch.float32)  # earlier position first
+    # Sort by (expert, priority); rank within expert = position - start of expert's run.
+    order = torch.argsort(priority, stable=True)
+    order = order[torch.argsort(flat_e[order], stable=True)]
+    counts_E = torch.bincount(flat_e, minlength=n_experts)
+    starts_E = counts_E.cumsum(0) - counts_E
+    rank_in_expert = torch.empty_like(flat_e)
+    rank_in_expert[order] = torch.arange(T * K, device=flat_e.device) - starts_E[flat_e[order]]
+    return (rank_in_expert < capacity).view(T, K), capacity
+
+
+@dataclass
+class PermuteState:
+    """Bookkeeping to undo a local permutation. row_token_S: source token of each dispatched row; row_weight_S: its
+    fp32 gate weight; n_tokens: T."""
+
+    row_token_S: torch.Tensor
+    row_weight_S: torch.Tensor
+    n_tokens: int
+    extra: Any = None
+
+
+def permute(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, n_experts: int,
+            keep_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, PermuteState]:
+    """Sort token copies by expert. Returns x_SD (rows grouped by expert id, stable in token order),
+    tokens_per_expert_E (int64), and the state for :func:`unpermute`. Dropped assignments (keep=False) are left out."""
+    T, K = topk_idx_TK.shape
+    flat_e = topk_idx_TK.reshape(-1)
+    if keep_TK is not None:
+        flat_e = torch.where(keep_TK.reshape(-1), flat_e, torch.full_like(flat_e, n_experts))
+    order_S = torch.argsort(flat_e, stable=True)
+    counts_E = torch.bincount(flat_e, minlength=n_experts + 1)[:n_experts]
+    if keep_TK is not None:
+        order_S = order_S[: int(keep_TK.sum())]  # host sync: number of kept rows (capacity mode only)
+    row_token_S = order_S // K
+    row_weight_S = topk_weight_TK.reshape(-1)[order_S]
+    return x_TD[row_token_S], counts_E, PermuteState(row_token_S, row_weight_S, T)
+
+
+def unpermute(y_SD: torch.Tensor, state: PermuteState, out_dtype: torch.dtype) -> torch.Tensor:
+    """Weight each expert output row by its gate weight in fp32 and sum rows back into their tokens: (T, D)."""
+    y32 = y_SD.float() * state.row_weight_S.unsqueeze(-1)
+    out_TD = y32.new_zeros(state.n_tokens, y_SD.shape[-1])
+    out_TD.index_add_(0, state.row_token_S, y32)
+    return out_TD.to(out_dtype)
+
+
+class DispatchHandle(Protocol):
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+
+class CombineHandle(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class Dispatcher(Protocol):
+    """Moves tokens to the experts that hold them and back.
+
+    ``dispatch(x_TD, topk_idx_TK, topk_weight_TK)`` starts the move and returns a handle; ``handle.wait()`` gives
+    (x_SD rows grouped by *local* expert, tokens_per_local_expert_El, state). ``combine(y_SD, state)`` starts the
+    way back; its handle's ``wait()`` gives y_TD, gate-weighted in fp32 and summed per token. Splitting start and
+    wait lets the MoE layer compute the shared experts (or another chunk) while a collective is in flight.
+    ``n_local_experts`` and ``local_expert_offset`` say which experts this process holds.
+    """
+
+    n_local_experts: int
+    local_expert_offset: int
+    capacity: CapacityConfig
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor) -> DispatchHandle: ...
+
+    def combine(self, y_SD: torch.Tensor, state: Any) -> CombineHandle: ...
+
+
+class _Done:
+    def __init__(self, *value: Any):
+        self.value = value if len(value) > 1 else value[0]
+
+    def wait(self) -> Any:
+        return self.value
+
+
+@dataclass
+class DispatchStats:
+    """Per-layer counters a dispatcher accumulates between ``reset`` calls (read by the trainer's metrics)."""
+
+    dropped_tokens: int = 0
+    a2a_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    calls: int = 0
+
+
+class LocalDispatcher:
+    """EP = 1: a permutation by expert on this process (no communication). Optional capacity dropping/padding."""
+
+    def __init__(self, n_experts: int, capacity: CapacityConfig | None = None):
+        self.n_experts = n_experts
+        self.n_local_experts = n_experts
+        self.local_expert_offset = 0
+        self.capacity = capacity or CapacityConfig()
+        self.stats = DispatchStats()
+
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor) -> _Done:
+        keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
+        if keep_TK is not None:
+            self.stats.dropped_tokens += int((~keep_TK).sum())
+        x_SD, counts_E, state = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
+        if keep_TK is not None and self.capacity.pad:
+            x_SD, counts_E, state.extra = pad_to_capacity(x_SD, counts_E, capacity)
+        return _Done(x_SD, counts_E, state)
+
+    def combine(self, y_SD: torch.Tensor, state: PermuteState) -> _Done:
+        if state.extra is not None:
+            y_SD = y_SD[state.extra]
+        return _Done(unpermute(y_SD, state, y_SD.dtype))
+
+
+def pad_to_capacity(x_SD: torch.Tensor, counts_E: torch.Tensor, capacity: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Place each expert's rows in a fixed slot of ``capacity`` rows (zeros after them). Returns the padded rows
+    (E*capacity, D), counts of ``capacity`` per expert, and the index of every real row in the padded layout."""
+    E = counts_E.shape[0]
+    starts = counts_E.cumsum(0) - counts_E
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_SD.device), counts_E)
+    slot_S = expert_of_row * capacity + (torch.arange(x_SD.shape[0], device=x_SD.device) - starts[expert_of_row])
+    padded = x_SD.new_zeros(E * capacity, x_SD.shape[-1]).index_copy(0, slot_S, x_SD)
+    return padded, torch.full_like(counts_E, capacity), slot_S
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The MoE layer
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MoEStats:
+    """Returned by every MoE forward (never kept in globals).
+
+    Attributes:
+        tokens_per_expert_E: int64 counts of assignments per routed expert (all E, before capacity drops) -- the
+            load used by auxiliary-loss-free balancing and the load-imbalance metrics.
+        balance_loss_sum: sequence-wise balance loss summed over this micro-batch's sequences (fp32 scalar, no alpha).
+    """
+
+    tokens_per_expert_E: torch.Tensor
+    balance_loss_sum: torch.Tensor
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE FFN: routed experts chosen by :class:`Router` plus always-on shared experts.
+
+    forward(x_BLD) -> (y_BLD, MoEStats). ``dispatcher`` defaults to :class:`LocalDispatcher`; ``n_chunks > 1`` splits
+    the tokens into chunks whose dispatch/combine overlap the other chunks' expert GEMMs (useful with an
+    asynchronous all-to-all dispatcher; results are identical to n_chunks = 1).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.dim, cfg.expert_ffn_dim)
+        self.shared_experts = (SwiGLU(cfg.dim, cfg.n_shared_experts * cfg.expert_ffn_dim)
+                               if cfg.n_shared_experts else None)
+        self.dispatcher: Dispatcher = LocalDispatcher(cfg.n_routed_experts)
+        self.n_chunks = 1
+        self.compute_balance_loss = cfg.balance_loss_alpha > 0
+
+    def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(B * L, D)
+        r = self.gate(x_TD)
+        with torch.no_grad():
+            counts_E = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=self.gate.n_experts)
+        if self.compute_balance_loss:
+            balance = sequence_balance_loss(r.scores_TE, r.topk_idx_TK, B)
+        else:
+            balance = x_TD.new_zeros((), dtype=torch.float32)
+
+        n_chunks = max(1, min(self.n_chunks, B))
+        chunks = [slice(i * B // n_chunks * L, (i + 1) * B // n_chunks * L) for i in range(n_chunks)]
+        pending = [self.dispatcher.dispatch(x_TD[c], r.topk_idx_TK[c], r.topk_weight_TK[c]) for c in chunks]
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None  # overlaps dispatch
+        combines = []
+        for handle in pending:
+            x_SD, tokens_per_expert, state = handle.wait()
+            y_SD = self.experts(x_SD, tokens_per_expert)
+            combines.append(self.dispatcher.combine(y_SD, state))
+        routed_TD = torch.cat([c.wait() for c in combines], dim=0).to(x_BLD.dtype)
+        out_TD = routed_TD if shared_TD is None else routed_TD + shared_TD
+        return out_TD.view(B, L, D), MoEStats(counts_E, balance)

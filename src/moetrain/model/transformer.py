@@ -1,0 +1,235 @@
+"""The DeepSeek-V3 transformer: blocks, multi-token prediction modules, and losses returned in a result object.
+
+Single-device code; ``moetrain.parallel.parallelize`` distributes it from outside.
+
+Shape legend: B batch, L sequence, D model dim, V vocab, E routed experts, M MoE layers (main + MTP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.model.attention import MLA
+from moetrain.model.config import ModelConfig
+from moetrain.model.layers import RMSNorm, SwiGLU, rope_cos_sin
+from moetrain.model.moe import MoE, MoEStats
+
+IGNORE_INDEX = -100
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + MLA(norm(x)), then + FFN(norm(x)) with a dense SwiGLU or an MoE FFN.
+
+    forward(x_BLD, cos, sin) -> (x_BLD, MoEStats or None). Names match the released checkpoint (``self_attn``,
+    ``mlp``, ``input_layernorm``, ``post_attention_layernorm``).
+    """
+
+    def __init__(self, cfg: ModelConfig, moe: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = MLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp: nn.Module = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+
+    def forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, MoEStats | None]:
+        x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), cos, sin)
+        h = self.post_attention_layernorm(x_BLD)
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(h)
+            return x_BLD + y, stats
+        return x_BLD + self.mlp(h), None
+
+
+class MTPModule(nn.Module):
+    """One multi-token-prediction depth (DeepSeek-V3 report, sec. 2.2).
+
+    h' = Block(eh_proj(concat[enorm(emb(t_{i+k})), hnorm(h_{i}^{k-1})])); logits = head(norm(h')). The embedding and
+    output head are the main model's; ``norm`` is the module's own (``shared_head.norm`` in the release).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = Block(cfg, moe=True)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h_BLD: torch.Tensor, emb_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, MoEStats | None]:
+        x = self.eh_proj(torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1))
+        return self.block(x, cos, sin)
+
+
+@dataclass
+class ModelOutput:
+    """Everything a forward returns; losses are *sums* so the caller can normalise over any split of the batch.
+
+    Attributes:
+        logits_BLV: main-model logits (only when requested; None otherwise).
+        lm_loss_sum: next-token cross-entropy summed over loss tokens (fp32 scalar).
+        n_loss_tokens: number of labels != IGNORE_INDEX (int64 scalar).
+        mtp_loss_sums: per MTP depth k, CE summed over its valid positions (the last k positions have no target).
+        mtp_n_tokens: per depth, the number of those positions.
+        balance_loss_sum: sequence-wise balance loss summed over sequences and MoE layers (no alpha).
+        n_sequences: B.
+        moe_stats: one :class:`MoEStats` per MoE layer, main-model layers first, then MTP layers.
+    """
+
+    logits_BLV: torch.Tensor | None
+    lm_loss_sum: torch.Tensor
+    n_loss_tokens: torch.Tensor
+    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_n_tokens: list[torch.Tensor] = field(default_factory=list)
+    balance_loss_sum: torch.Tensor | None = None
+    n_sequences: int = 0
+    moe_stats: list[MoEStats] = field(default_factory=list)
+
+    def loss(self, cfg: ModelConfig) -> torch.Tensor:
+        """The training objective normalised over *this* batch only (single-process use):
+        CE mean + mtp_weight * mean_k(MTP CE mean) + alpha * balance per sequence."""
+        total = self.lm_loss_sum / self.n_loss_tokens.clamp(min=1)
+        if self.mtp_loss_sums:
+            mtp = sum(s / n.clamp(min=1) for s, n in zip(self.mtp_loss_sums, self.mtp_n_tokens))
+            total = total + cfg.mtp_loss_weight * mtp / len(self.mtp_loss_sums)
+        if self.balance_loss_sum is not None and cfg.balance_loss_alpha > 0:
+            total = total + cfg.balance_loss_alpha * self.balance_loss_sum / max(self.n_sequences, 1)
+        return total
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V3-architecture causal LM with optional MTP modules.
+
+    forward(tokens_BL, labels_BL=None, return_logits=False) -> ModelOutput. ``labels_BL`` are the next tokens
+    (IGNORE_INDEX where no loss is wanted); without labels only logits are produced.
+    Attribute names mirror the released layout: ``embed_tokens``, ``layers``, ``norm``, ``lm_head``, ``mtp``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.mtp_depth)])
+        self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def moe_layers(self) -> list[MoE]:
+        """MoE FFNs in the order their stats appear in ModelOutput.moe_stats (main layers, then MTP)."""
+        mods = [b.mlp for b in self.layers if isinstance(b.mlp, MoE)]
+        return mods + [m.block.mlp for m in self.mtp]
+
+    def _rope(self, L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (L, str(device))
+        if key not in self._rope_cache:
+            self._rope_cache[key] = rope_cos_sin(self.cfg, L, device)
+        return self._rope_cache[key]
+
+    def _ce_sum(self, h_BLD: torch.Tensor, norm: nn.Module, labels_BL: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(norm(h_BLD))
+        return F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def forward(self, tokens_BL: torch.Tensor, labels_BL: torch.Tensor | None = None,
+                return_logits: bool = False) -> ModelOutput:
+        B, L = tokens_BL.shape
+        if L > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self._rope(L, tokens_BL.device)
+        emb_BLD = self.embed_tokens(tokens_BL)
+        h = emb_BLD
+        stats: list[MoEStats] = []
+        for block in self.layers:
+            h, s = block(h, cos, sin)
+            if s is not None:
+                stats.append(s)
+
+        zero = torch.zeros((), device=tokens_BL.device)
+        logits = self.lm_head(self.norm(h)) if (return_logits or labels_BL is None) else None
+        out = ModelOutput(logits_BLV=logits, lm_loss_sum=zero, n_loss_tokens=zero.long(), n_sequences=B)
+        if labels_BL is not None:
+            if logits is not None:
+                out.lm_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(),
+                                                  ignore_index=IGNORE_INDEX, reduction="sum")
+            else:
+                out.lm_loss_sum = self._ce_sum(h, self.norm, labels_BL)
+            out.n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
+            h_k = h
+            for k, module in enumerate(self.mtp, start=1):
+                # Depth k sees the embedding of token i+k and predicts token i+k+1 (= labels[i+k]); the last k
+                # positions have no target. Rolling keeps shapes static; causal attention keeps the wrapped-around
+                # tail from influencing earlier positions.
+                emb_k = torch.roll(emb_BLD, shifts=-k, dims=1)
+                labels_k = torch.roll(labels_BL, shifts=-k, dims=1)
+                labels_k[:, L - k:] = IGNORE_INDEX
+                h_k, s = module(h_k, emb_k, cos, sin)
+                if s is not None:
+                    stats.append(s)
+                out.mtp_loss_sums.append(self._ce_sum(h_k, module.norm, labels_k))
+                out.mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
+        out.moe_stats = stats
+        if stats:
+            out.balance_loss_sum = torch.stack([s.balance_loss_sum for s in stats]).sum()
+        return out
+
+    # -- auxiliary-loss-free balancing ----------------------------------------------------------------------
+    @torch.no_grad()
+    def update_expert_biases(self, tokens_per_expert_ME: torch.Tensor, rate: float) -> None:
+        """bias_e += rate * sign(mean(load) - load_e) for every MoE layer (DeepSeek-V3 report, sec. 2.1.2).
+
+        Args:
+            tokens_per_expert_ME: (M, E) loads accumulated over the whole optimizer step -- and, under data
+                parallelism, summed over all ranks *before* this call so every rank applies the same update.
+            rate: gamma; 0 leaves the biases unchanged.
+        """
+        layers = self.moe_layers()
+        if tokens_per_expert_ME.shape[0] != len(layers):
+            raise ValueError(f"got loads for {tokens_per_expert_ME.shape[0]} MoE layers, model has {len(layers)}")
+        if rate == 0:
+            return
+        load = tokens_per_expert_ME.float()
+        delta = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
+        for moe, d in zip(layers, delta):
+            moe.gate.expert_bias.add_(d.to(moe.gate.expert_bias.device))
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, std: float | None = None) -> None:
+    """Initialise as published: every weight matrix (embedding, projections, router, experts) ~ N(0, std) with
+    std = cfg.init_std (0.006 for DeepSeek-V3, report sec. 4.2); norms to one; expert biases to zero. No depth
+    scaling of output projections: the report gives a single std and says nothing more, so none is applied."""
+    std = model.cfg.init_std if std is None else std
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(mod.weight, 0.0, std)
+        elif isinstance(mod, RMSNorm):
+            mod.reset_parameters()
+    for moe in model.moe_layers():
+        nn.init.normal_(moe.gate.weight, 0.0, std)
+        moe.gate.expert_bias.zero_()
+        for p in (moe.experts.w1_EFD, moe.experts.w2_EDF, moe.experts.w3_EFD):
+            nn.init.normal_(p, 0.0, std)
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None, seed: int | None = 0) -> Transformer:
+    """Build and initialise a model. On ``device="meta"`` nothing is allocated (used for counting).
+
+    The init uses ``torch.manual_seed(seed)`` when seed is not None, so every rank of a distributed run builds
+    identical weights (parallelize then keeps each rank's slice)."""
+    with torch.device(device or "cpu"):
+        model = Transformer(cfg)
+    if str(device) != "meta":
+        if seed is not None:
+            torch.manual_seed(seed)
+        init_weights(model)
+    return model
