@@ -39,8 +39,8 @@ class DataConfig:
         seq_len: tokens per training sequence L (each packed window holds L + 1 tokens).
         val_fraction: fraction of the documents held out for validation, in (0, 0.5].
         cache_dir: directory of the prepared tokenizers and token shards (relative = to the working directory).
-        builtin_max_bytes: cap on the size of the built-in corpus in bytes (whole files are taken in sorted order
-            until the next one would exceed the cap).
+        builtin_max_bytes: cap on the size of the built-in corpus in bytes (whole files are taken in sorted path
+            order, skipping those that would exceed the cap).
         seed: seed of the train/validation split (the loader has its own shuffle seed).
         eos_token: end-of-document token of an existing ``tokenizer`` when none of the known ones
             (``<｜end▁of▁sentence｜>``, ``<|endoftext|>``, ``</s>``) is in its vocabulary; None = detect.

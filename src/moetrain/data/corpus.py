@@ -9,8 +9,9 @@ runs Python, needs no network, and its licence (the PSF License Agreement, a per
 this use. Excluded: ``site-packages``/``dist-packages`` (third-party code), ``test``/``tests``/``idle_test``
 directories (test suites, some deliberately mis-encoded), ``idlelib``, ``encodings`` (mostly generated
 character-map tables) and ``__pycache__``. The selection is deterministic for a given Python installation: files are
-sorted by their path relative to the stdlib root and taken whole, in that order, until the next file would exceed
-``builtin_max_bytes``; files that are empty or not valid UTF-8 are skipped. A different Python version gives a
+sorted by their path relative to the stdlib root and taken whole, in that order, skipping any file that would take
+the total over ``builtin_max_bytes`` (so the budget is filled greedily); files that are empty or not valid UTF-8 are
+skipped. A different Python version gives a
 different (but equally deterministic) corpus; the preparation cache is keyed on the exact files, so it notices.
 
 Sources
@@ -175,23 +176,27 @@ def builtin_corpus_paths(max_bytes: int = 8_000_000) -> list[Path]:
     See the module docstring for what is included and why.
 
     Raises:
-        DataError: the stdlib sources cannot be found, or ``max_bytes`` is smaller than the first file.
+        DataError: the stdlib sources cannot be found, or ``max_bytes`` is smaller than every file.
     """
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
     if not root.is_dir():
         raise DataError(f"the built-in corpus needs the Python standard library sources, but {str(root)!r} is not a "
                         "directory; set DataConfig.paths to your own text files")
     candidates = []
-    for f in root.rglob("*.py"):
-        rel = f.relative_to(root)
-        if _BUILTIN_EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not f.is_file():
-            continue
-        candidates.append((rel.as_posix(), f))
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _BUILTIN_EXCLUDED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                f = Path(dirpath) / name
+                if f.is_file():
+                    candidates.append((f.relative_to(root).as_posix(), f))
     candidates.sort()
     out: list[Path] = []
     total = 0
     for _, f in candidates:
         try:
+            if total + f.stat().st_size > max_bytes:
+                continue  # too big for what is left of the budget; smaller files later may still fit
             data = f.read_bytes()
             data.decode("utf-8")
         except (OSError, UnicodeDecodeError):
@@ -199,7 +204,7 @@ def builtin_corpus_paths(max_bytes: int = 8_000_000) -> list[Path]:
         if not data.strip():
             continue
         if total + len(data) > max_bytes:
-            break
+            continue
         total += len(data)
         out.append(f)
     if not out:

@@ -162,7 +162,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
                "val_fraction": float(cfg.val_fraction), "seed": cfg.seed}
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:16]
 
-    root = Path(os.path.expanduser(cfg.cache_dir))
+    root = Path(os.path.expanduser(cfg.cache_dir)).absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -194,8 +194,8 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
                 shutil.copyfile(given.path, tmp)
                 os.replace(tmp, tok_path)
                 tokenizer = load_tokenizer(tok_path, given.eos_token)
-            extra = {"cache_key": key, "builtin_corpus": builtin, "text_field": cfg.text_field, "tokenizer": tok_key,
-                     "eos_token": tokenizer.eos_token}
+            extra = {"cache_key": key, "builtin_corpus": builtin, "text_field": cfg.text_field,
+                     "tokenizer": tok_key, "eos_token": tokenizer.eos_token}
             write_shards(iter_documents(paths, cfg.text_field), tokenizer, d, val_fraction=cfg.val_fraction,
                          seed=cfg.seed, sources=sources, extra_meta=extra)
         except BaseException:

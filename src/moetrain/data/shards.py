@@ -15,7 +15,11 @@ Split: document ``i`` goes to validation iff ``u(seed, i) < val_fraction``, wher
 every document lands in exactly one split. Both splits are made non-empty: if no document was drawn for validation,
 the train document with the smallest ``u`` moves there (and symmetrically for an empty train split); a corpus of a
 single document is split by tokens instead, at the ``floor((1 - val_fraction) * n)`` point (``split.mode`` =
-``"tokens"`` in meta.json).
+``"tokens"`` in meta.json). Because documents differ in length, the drawn validation documents may hold far fewer
+tokens than ``val_fraction`` of them; when they hold less than half of that share, train documents with the next
+smallest ``u`` (among those with ``u < 4 * val_fraction``) are moved to validation as long as it stays under twice its
+share, until it reaches half (``split.topped_up_docs`` in meta.json counts them; they follow the drawn ones in
+``val.bin``). The rule depends only on the corpus, ``seed`` and ``val_fraction``.
 
 Writes are atomic: the ``.bin`` files are written as ``*.tmp`` and renamed into place, and ``meta.json`` is renamed
 into place last, so a directory with a ``meta.json`` whose sizes match the ``.bin`` files is complete.
@@ -109,20 +113,30 @@ def _pieces(text: str, max_chars: int = PIECE_CHARS) -> Iterator[str]:
     yield text[pos:]
 
 
-def _move_range(src: Path, dst: Path, start: int, end: int, dtype: np.dtype) -> None:
-    """Append tokens ``[start, end)`` of file ``src`` to ``dst`` and remove them from ``src``."""
+def _move_ranges(src: Path, dst: Path, ranges: list[tuple[int, int]], dtype: np.dtype) -> None:
+    """Append token ranges ``[start, end)`` (disjoint) of file ``src`` to ``dst`` in the given order, and remove
+    them from ``src``; works in 16 M-token chunks through a memory map."""
     n = os.path.getsize(src) // dtype.itemsize
     arr = np.memmap(src, dtype=dtype, mode="r", shape=(n,))
     chunk = 1 << 24
+
+    def copy(f, lo: int, hi: int) -> None:
+        for a in range(lo, hi, chunk):
+            np.asarray(arr[a:min(a + chunk, hi)]).tofile(f)
+
     with open(dst, "ab") as f:
-        for a in range(start, end, chunk):
-            np.asarray(arr[a:min(a + chunk, end)]).tofile(f)
+        for lo, hi in ranges:
+            copy(f, lo, hi)
+    keep, pos = [], 0
+    for lo, hi in sorted(ranges):
+        keep.append((pos, lo))
+        pos = hi
+    keep.append((pos, n))
     tmp2 = src.with_name(src.name + "2")
     try:
         with open(tmp2, "wb") as f:
-            for lo, hi in ((0, start), (end, n)):
-                for a in range(lo, hi, chunk):
-                    np.asarray(arr[a:min(a + chunk, hi)]).tofile(f)
+            for lo, hi in keep:
+                copy(f, lo, hi)
         del arr
         os.replace(tmp2, src)
     finally:
@@ -164,6 +178,8 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
     # Fix-up candidates: (u, start, end) of the train doc with the smallest u / the val doc with the largest u.
     best_for_val: tuple[float, int, int] | None = None
     best_for_train: tuple[float, int, int] | None = None
+    # Top-up candidates: train docs with u < 4 * val_fraction (about 4x as many as the val split holds).
+    top_up: list[tuple[float, int, int]] = []
     first_doc: tuple[str, int, int] | None = None
     n_docs = 0
     t0 = time.perf_counter()
@@ -199,6 +215,8 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
                     first_doc = (split, start, end)
                 if split == "train" and (best_for_val is None or u < best_for_val[0]):
                     best_for_val = (u, start, end)
+                if split == "train" and u < 4 * val_fraction:
+                    top_up.append((u, start, end))
                 if split == "val" and (best_for_train is None or u > best_for_train[0]):
                     best_for_train = (u, start, end)
                 i = j
@@ -232,33 +250,49 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
             raise DataError("the corpus has no non-empty documents; there is nothing to tokenise")
 
         mode = "documents"
+        n_topped_up = 0
         if n_docs == 1:
             mode = "tokens"
             split, start, end = first_doc
             k = min(max(int((1.0 - val_fraction) * (end - start)), 1), end - start - 1)
             if split == "train":
-                _move_range(tmp["train"], tmp["val"], start + k, end, dtype)
+                _move_ranges(tmp["train"], tmp["val"], [(start + k, end)], dtype)
             else:
-                _move_range(tmp["val"], tmp["train"], start, start + k, dtype)
+                _move_ranges(tmp["val"], tmp["train"], [(start, start + k)], dtype)
             moved = (end - start - k) if split == "train" else k
             other = "val" if split == "train" else "train"
             n_tok[split] -= moved
             n_tok[other] += moved
             n_doc["train"] = n_doc["val"] = 1
-        elif n_doc["val"] == 0:
-            _, start, end = best_for_val
-            _move_range(tmp["train"], tmp["val"], start, end, dtype)
-            n_tok["train"] -= end - start
-            n_tok["val"] += end - start
-            n_doc["train"] -= 1
-            n_doc["val"] += 1
         elif n_doc["train"] == 0:
             _, start, end = best_for_train
-            _move_range(tmp["val"], tmp["train"], start, end, dtype)
+            _move_ranges(tmp["val"], tmp["train"], [(start, end)], dtype)
             n_tok["val"] -= end - start
             n_tok["train"] += end - start
             n_doc["val"] -= 1
             n_doc["train"] += 1
+        else:
+            # Empty validation split -> move the most val-like train doc; then, while validation holds fewer than
+            # half of its share of the tokens, move train docs in increasing u that keep it under twice its share.
+            chosen = [best_for_val] if n_doc["val"] == 0 else []
+            total = n_tok["train"] + n_tok["val"]
+            val_tok = n_tok["val"] + sum(e - s_ for _, s_, e in chosen)
+            low, high = 0.5 * val_fraction * total, 2.0 * val_fraction * total
+            for cand in sorted(top_up):
+                if val_tok >= low or n_doc["train"] - len(chosen) <= 1:
+                    break
+                size = cand[2] - cand[1]
+                if cand not in chosen and val_tok + size <= high:
+                    chosen.append(cand)
+                    val_tok += size
+            if chosen:
+                n_topped_up = len(chosen) - (1 if n_doc["val"] == 0 else 0)
+                moved = sum(e - s_ for _, s_, e in chosen)
+                _move_ranges(tmp["train"], tmp["val"], sorted((s_, e) for _, s_, e in chosen), dtype)
+                n_tok["train"] -= moved
+                n_tok["val"] += moved
+                n_doc["train"] -= len(chosen)
+                n_doc["val"] += len(chosen)
 
         for s in SPLITS:
             os.replace(tmp[s], final[s])
@@ -269,7 +303,8 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
             "eos_id": eos,
             "tokenizer_sha256": getattr(tokenizer, "sha256", None),
             "n_docs": n_docs,
-            "split": {"mode": mode, "val_fraction": float(val_fraction), "seed": int(seed)},
+            "split": {"mode": mode, "val_fraction": float(val_fraction), "seed": int(seed),
+                      "topped_up_docs": n_topped_up},
             "splits": {s: {"file": final[s].name, "n_tokens": n_tok[s], "n_docs": n_doc[s]} for s in SPLITS},
             "sources": sources or [],
         }

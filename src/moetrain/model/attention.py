@@ -18,6 +18,10 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.layers import RMSNorm, apply_rope
 
 
+# The latent norms use a fixed epsilon in DeepSeek's reference code and in HF, whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
 class MLA(nn.Module):
     """Multi-head Latent Attention with causal masking over the whole (packed) sequence.
 
@@ -39,12 +43,12 @@ class MLA(nn.Module):
         H = cfg.n_heads
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_dim, bias=False)
         else:
             self.q_proj = nn.Linear(cfg.dim, H * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
 

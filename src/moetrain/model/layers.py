@@ -69,10 +69,11 @@ def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device | None = N
     t = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles_LR = torch.outer(t, inv)
     scale = 1.0
-    if cfg.rope_factor > 1.0 and cfg.rope_mscale and cfg.rope_mscale_all_dim:
+    if cfg.rope_factor > 1.0:
         def m(s: float) -> float:
             return 0.1 * s * math.log(cfg.rope_factor) + 1.0
-        scale = m(cfg.rope_mscale) / m(cfg.rope_mscale_all_dim)
+        # Without both mscale values YaRN's default temperature 0.1 ln(factor) + 1 applies (as in HF).
+        scale = m(cfg.rope_mscale) / m(cfg.rope_mscale_all_dim) if cfg.rope_mscale and cfg.rope_mscale_all_dim else m(1.0)
     return angles_LR.cos() * scale, angles_LR.sin() * scale
 
 

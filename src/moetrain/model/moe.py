@@ -125,8 +125,12 @@ def sequence_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_
 # Experts: grouped GEMM
 # ----------------------------------------------------------------------------------------------------------------
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
+def _grouped_mm_supported(x: torch.Tensor, *row_lens: int) -> bool:
+    """Whether ``torch._grouped_mm`` can run on ``x``: present in this build, a supported device/dtype, and every
+    row length (in elements) a multiple of 16 bytes, which the kernel requires for its operands' strides."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any((n * x.element_size()) % 16 for n in row_lens):
         return False
     if x.device.type == "cpu":
         return True
@@ -169,13 +173,17 @@ def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: tor
     Uses ``torch._grouped_mm`` where the build and device support it; otherwise an exact per-expert loop, which needs
     the counts on the host (``counts``; computed with one device-to-host copy if not given).
     """
-    if use_grouped_mm and _grouped_mm_supported(x_SK):
+    n_rows = x_SK.shape[0]
+    if use_grouped_mm and _grouped_mm_supported(x_SK, x_SK.shape[-1], w_EKN.shape[-1]):
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-        return _GroupedMM.apply(x_SK, w_EKN.to(x_SK.dtype), offs_E)
+        y = _GroupedMM.apply(x_SK, w_EKN.to(x_SK.dtype), offs_E)
+        # The kernel leaves rows past the last offset (capacity padding) unwritten: zero them.
+        return torch.where((torch.arange(n_rows, device=y.device) < offs_E[-1]).unsqueeze(-1), y, 0)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync: the loop needs python ints
-    outs = [xe @ w_EKN[e].to(x_SK.dtype) for e, xe in enumerate(torch.split(x_SK, counts, dim=0))]
-    rest = x_SK.shape[0] - sum(counts)
+    n_used = sum(counts)
+    outs = [xe @ w_EKN[e].to(x_SK.dtype) for e, xe in enumerate(torch.split(x_SK[:n_used], counts, dim=0))]
+    rest = n_rows - n_used
     if rest:
         outs.append(x_SK.new_zeros(rest, w_EKN.shape[-1]))
     return torch.cat(outs, dim=0)
@@ -201,7 +209,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x_SD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x_SD)
         x_SD = x_SD.to(dtype)
-        counts = None if (self.use_grouped_mm and _grouped_mm_supported(x_SD)) else tokens_per_expert_E.tolist()
+        fast = self.use_grouped_mm and _grouped_mm_supported(x_SD, self.w1_EFD.shape[1], self.w1_EFD.shape[2])
+        counts = None if fast else tokens_per_expert_E.tolist()  # host sync only on the loop path
         h1_SF = grouped_mm(x_SD, self.w1_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
         h3_SF = grouped_mm(x_SD, self.w3_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
         return grouped_mm(F.silu(h1_SF) * h3_SF, self.w2_EDF.transpose(1, 2), tokens_per_expert_E, counts,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.model.attention import MLA
@@ -34,9 +35,18 @@ class Block(nn.Module):
         self.self_attn = MLA(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
+        self.recompute = False  # activation checkpointing, switched on by parallelize()
 
     def forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, MoEStats | None]:
+        if self.recompute and torch.is_grad_enabled():
+            # Non-reentrant checkpoint: MoE stats come from this first forward; the recomputation in backward is
+            # discarded, so expert loads are counted once (auxiliary-loss-free balancing is unaffected).
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BLD, cos, sin, use_reentrant=False)
+        return self._forward(x_BLD, cos, sin)
+
+    def _forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, MoEStats | None]:
         x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), cos, sin)
         h = self.post_attention_layernorm(x_BLD)
         if isinstance(self.mlp, MoE):

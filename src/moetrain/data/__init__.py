@@ -1,0 +1,46 @@
+"""moetrain data pipeline: text sources -> tokenizer -> token shards -> packed data-parallel batches.
+
+Typical use::
+
+    from moetrain.data import DataConfig, prepare_data, TokenLoader, iter_eval_batches
+
+    prep = prepare_data(DataConfig(paths=["corpus/**/*.jsonl"], seq_len=1024))   # cached, process-safe
+    loader = TokenLoader(prep.train_path, seq_len=1024, micro_batch_size=8, dp_rank=rank, dp_size=world, seed=0)
+    inputs, labels = loader.next_batch()          # int64 (8, 1024) each; labels = inputs shifted by one
+    state = loader.state_dict()                   # {"epoch": ..., "position": ..., ...}; load_state_dict(state)
+
+With ``DataConfig()`` (no paths) the built-in corpus - the Python standard library's ``.py`` sources - is used and
+a 4096-token byte-level BPE is trained on it.
+"""
+
+from .config import DataConfig
+from .corpus import DataError, builtin_corpus_paths, check_sources, iter_documents, resolve_paths, source_kind
+from .loader import TokenLoader, count_windows, iter_eval_batches
+from .prepare import PreparedData, prepare_data
+from .shards import ShardInfo, doc_split, load_tokens, read_meta, token_dtype, write_shards
+from .tokenizer import EOS_CANDIDATES, Tokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "DataConfig",
+    "DataError",
+    "EOS_CANDIDATES",
+    "PreparedData",
+    "ShardInfo",
+    "TokenLoader",
+    "Tokenizer",
+    "builtin_corpus_paths",
+    "check_sources",
+    "count_windows",
+    "doc_split",
+    "iter_documents",
+    "iter_eval_batches",
+    "load_tokenizer",
+    "load_tokens",
+    "prepare_data",
+    "read_meta",
+    "resolve_paths",
+    "source_kind",
+    "token_dtype",
+    "train_bpe",
+    "write_shards",
+]

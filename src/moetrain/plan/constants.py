@@ -1,0 +1,172 @@
+"""Every efficiency constant of the performance model, in one place, with the reason for its value.
+
+Rules (from the issue): constants are few, named, documented, and shared by every system of a GPU generation.
+Nothing here is fitted to one published data point: a value is either a published microbenchmark of that
+generation or a property of the software stack that applies to every run of it. ``docs/performance-model.md``
+repeats the table and shows what each constant does to the predictions of REFERENCE.md section 4.
+
+A constant is a *fraction of a hardware peak* (``GPUSpec``) unless its name says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak for one GPU generation.
+
+    Attributes:
+        gemm_bf16: large dense BF16 GEMM (projections, dense FFN, shared expert, output head), fraction of BF16 peak.
+        gemm_fp8: large dense FP8 / MXFP8 GEMM including the scaling overhead, fraction of the FP8 peak.
+        grouped_gemm: routed-expert grouped GEMM relative to a dense GEMM of the same precision (ragged per-expert
+            row counts, tile quantisation, one launch for many small problems).
+        attention: fused (flash) attention forward + backward, fraction of the peak of its precision.
+        sfu: achieved fraction of the exponential (SFU) rate inside the attention softmax.
+        hbm: achieved fraction of HBM bandwidth in memory-bound kernels (norms, activations, permutes, casts,
+            optimizer).
+        nvlink: achieved fraction of the per-direction NVLink bandwidth in all-to-all and collectives.
+        nic: achieved fraction of the per-direction NIC bandwidth (RDMA) in all-to-all and collectives.
+        a2a_latency_s: fixed cost of one dispatch or one combine call (kernel launch, handshakes, metadata).
+        comm_sm_share: share of the SMs the all-to-all kernels occupy while they run; when communication is
+            overlapped with compute, the compute runs on the remaining SMs.
+    """
+
+    generation: str
+    gemm_bf16: float
+    gemm_fp8: float
+    grouped_gemm: float
+    attention: float
+    sfu: float
+    hbm: float
+    nvlink: float
+    nic: float
+    a2a_latency_s: float
+    comm_sm_share: float
+
+    def gemm(self, precision: str) -> float:
+        return self.gemm_bf16 if precision in ("bf16", "fp32") else self.gemm_fp8
+
+    def to_dict(self) -> dict[str, float | str]:
+        return asdict(self)
+
+
+#: Hopper: H100, H800, H200.
+HOPPER = Efficiency(
+    generation="hopper",
+    # Measured here on an H200: an 8192^3 BF16 matmul runs at ~790 of 989 TFLOP/s (0.80, REFERENCE.md section 5);
+    # the K = 7168 / N = 1.5K-18K shapes of a training layer and Transformer Engine's wrappers land a little lower.
+    gemm_bf16=0.75,
+    # FP8 GEMMs with 1x128 / 128x128 block scales: DeepGEMM reports 1,300-1,550 TFLOP/s for large dense shapes on
+    # H800 (0.66-0.78 of 1,979), but Hopper promotes the partial sums to FP32 on CUDA cores every 128 elements
+    # (DeepSeek-V3 report sec. 3.3.2) and the quantisation kernels sit next to every GEMM; 0.60 is the usual
+    # training-shape figure.
+    gemm_fp8=0.60,
+    # Grouped GEMM vs dense: DeepGEMM's grouped "contiguous" kernels reach ~1,230-1,300 of the ~1,400 TFLOP/s of
+    # its dense kernels at training sizes (~0.9).
+    grouped_gemm=0.90,
+    # FlashAttention-3 on H100: forward 600-750 TFLOP/s BF16 (0.6-0.75) for head dim 128, backward 450-550
+    # (0.45-0.55); backward is 2/3 of the FLOPs. MLA's 192/128 q/v head dims are off the tuned sizes -> 0.45.
+    attention=0.45,
+    # Softmax exponentials overlap with the MMAs in FA3; 0.8 of the MUFU rate is reachable.
+    sfu=0.80,
+    # A device copy reaches ~4.3 of 4.8 TB/s on an H200 (0.9, REFERENCE.md section 5); norms, RoPE, permutes and
+    # casts have strided or gathered accesses -> 0.70.
+    hbm=0.70,
+    # DeepEP intranode dispatch/combine: 153-158 GB/s of the 200 GB/s per-direction NVLink of an H800 (0.77-0.79).
+    nvlink=0.78,
+    # DeepEP internode: 43-58 GB/s "RDMA bandwidth" per 400 Gb/s (50 GB/s) NIC; a sustained 0.85 is typical RDMA
+    # goodput (REFERENCE.md section 5).
+    nic=0.85,
+    # DeepEP "normal" kernels: tens of microseconds per call even for small batches.
+    a2a_latency_s=30e-6,
+    # DeepSeek-V3 dedicates 20 of 132 SMs to communication (0.15); Megatron's HybridEP default is 32 SMs (0.24).
+    comm_sm_share=0.20,
+)
+
+#: Blackwell: B200, B300, GB200 NVL72, GB300 NVL72.
+BLACKWELL = Efficiency(
+    generation="blackwell",
+    # cuBLAS BF16 on B200: ~1.6-1.7 of 2.25 PFLOP/s for large shapes (0.72-0.76).
+    gemm_bf16=0.75,
+    # MXFP8 on Blackwell: the block scales are consumed by the tensor cores (no CUDA-core promotion), so large
+    # MXFP8 GEMMs reach ~0.70-0.78 of the FP8 peak in cuBLAS; quantisation kernels next to the GEMMs -> 0.70.
+    gemm_fp8=0.70,
+    grouped_gemm=0.90,  # same reasoning as Hopper (CUTLASS/cuteDSL grouped GEMMs ~0.9 of dense)
+    # cuDNN / FlashAttention-4 on B200: forward ~1.6 of 2.25 PFLOP/s BF16 (0.7), backward ~0.45 -> 0.50 overall.
+    attention=0.50,
+    sfu=0.80,
+    # Blackwell's HBM3e reaches ~0.9 of 8 TB/s in copies; same access-pattern discount as Hopper.
+    hbm=0.70,
+    # NVLink 5 all-to-all (HybridEP / NCCL on NVL72): ~0.75 of the 900 GB/s per direction.
+    nvlink=0.75,
+    nic=0.85,  # same RDMA goodput as Hopper (ConnectX-7/8)
+    a2a_latency_s=30e-6,
+    comm_sm_share=0.20,  # HybridEP / DeepEP SM budget of ~24-32 of 148 SMs
+)
+
+#: CPU (the local machine; rates measured by ``moetrain bench``, so these are relative to measurements).
+CPU = Efficiency(
+    generation="cpu",
+    # The measured n x n matmul curve already holds the size effect; the GEMMs of a training step also pay for
+    # transposed operands, strided views and autograd bookkeeping that an isolated matmul does not: 0.8.
+    gemm_bf16=0.80,
+    gemm_fp8=0.80,
+    # Expert GEMMs under gloo EP are a Python loop or a grouped kernel over small per-expert batches: 0.6.
+    grouped_gemm=0.60,
+    # Attention on CPU is scaled_dot_product_attention's math path: batched GEMMs plus a softmax over L x L.
+    attention=0.50,
+    sfu=1.0,
+    # Elementwise PyTorch CPU kernels vs a measured large copy: allocation, and non-contiguous layouts: 0.5.
+    hbm=0.50,
+    # The bench measures gloo all-to-all between local processes directly; take it as is.
+    nvlink=1.0,
+    nic=1.0,
+    a2a_latency_s=200e-6,  # used only when the bench file has no latency
+    comm_sm_share=0.0,  # gloo communication does not take compute cores away from a blocking step
+)
+
+BY_GENERATION: dict[str, Efficiency] = {e.generation: e for e in (HOPPER, BLACKWELL, CPU)}
+
+
+def efficiency_for(generation: str) -> Efficiency:
+    try:
+        return BY_GENERATION[generation]
+    except KeyError:
+        raise ValueError(f"no efficiency constants for generation {generation!r}; known: {sorted(BY_GENERATION)}"
+                         ) from None
+
+
+# ---- generation-independent constants (properties of the training algorithm / software, not of a GPU) --------
+
+#: Backward of an elementwise op reads the saved input and the incoming gradient and writes the outgoing
+#: gradient: twice the bytes of the forward, so a layer's memory-bound traffic is 3x its forward traffic.
+ELEMENTWISE_BWD_TO_FWD = 2.0
+
+#: Memory that is not weights, gradients, optimizer state or activations: CUDA context, NCCL and all-to-all
+#: buffers (HybridEP/DeepEP reserve ~1-2 GiB), cuBLAS/cuDNN workspaces.
+RESERVED_GIB = 4.0
+
+#: max/mean expert load per EP rank for unforced ("real") routing when the plan gives no factor. Published
+#: unforced runs are 8-20% slower than forced-balanced ones (REFERENCE.md section 4); the slowest rank sets the
+#: pace of every all-to-all and grouped GEMM, so the middle of that range is the default.
+REAL_ROUTING_IMBALANCE = 1.15
+
+#: Bytes per element of a block-scaled FP8 tensor on the wire or in memory: 1 byte + one 4-byte scale per 128
+#: elements (DeepSeek 1x128 tiles; MXFP8's 1-byte scale per 32 elements is the same 1/32).
+FP8_BYTES = 1.0 + 1.0 / 32
+
+#: Monte-Carlo samples used to estimate the number of distinct destination ranks / domains per token.
+ROUTING_SAMPLES = 4096
+
+
+def all_constants() -> dict[str, object]:
+    """Every constant, for reports and the JSON output."""
+    return {
+        "generations": {g: e.to_dict() for g, e in BY_GENERATION.items()},
+        "ELEMENTWISE_BWD_TO_FWD": ELEMENTWISE_BWD_TO_FWD,
+        "RESERVED_GIB": RESERVED_GIB,
+        "REAL_ROUTING_IMBALANCE": REAL_ROUTING_IMBALANCE,
+        "FP8_BYTES": FP8_BYTES,
+    }

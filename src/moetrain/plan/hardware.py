@@ -1,0 +1,298 @@
+"""GPU catalogue: peak rates, memory and links of the systems the performance model knows (REFERENCE.md section 5).
+
+Units, once and for all:
+
+* ``peak_tflops``: dense (non-sparse) tensor-core TFLOP/s per GPU, by precision key ("bf16", "fp8", "mxfp8",
+  "fp4", "fp32"). Vendor datasheets quote sparse figures for some precisions; these are halved.
+* ``hbm_gb``: HBM capacity. Vendor "GB" capacities behave as GiB in practice (an H100 80 GB shows 81,559 MiB in
+  nvidia-smi), so the memory model compares GiB against this number.
+* ``hbm_tbps``: HBM bandwidth, TB/s (1e12 B/s).
+* ``nvlink_gbps``: NVLink bandwidth per GPU **per direction**, GB/s (1e9 B/s) = half the bidirectional datasheet
+  figure (H100: 900 GB/s bidirectional -> 450 GB/s each way). All-to-all and collectives are limited by the
+  per-direction rate, since every GPU sends and receives at the same time.
+* ``nvlink_domain``: GPUs that reach each other over NVLink (8 for an HGX board, 72 for an NVL72 rack).
+* ``nic_gbps``: scale-out network bandwidth per GPU per direction, GB/s (a 400 Gb/s NIC = 50 GB/s).
+* ``sfu_texp``: special-function-unit throughput for exponentials, 1e12 exp/s -- the softmax in attention is
+  bounded by it on Blackwell; Blackwell Ultra (B300/GB300) doubles it (NVIDIA's "2x attention-layer acceleration").
+
+User entries come from a TOML or JSON file (:func:`load_gpu_file`); a "local" entry is built from the
+measurements of ``moetrain bench`` (:func:`gpu_from_bench`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = ("bf16", "fp8", "mxfp8", "fp4", "fp32")
+GENERATIONS = ("hopper", "blackwell", "cpu")
+
+
+class HardwareError(ValueError):
+    """Unknown GPU name or malformed user GPU entry; the message lists what is allowed."""
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator model and its links (see module docstring for units).
+
+    Attributes:
+        name: catalogue key (lower case).
+        generation: "hopper", "blackwell" or "cpu"; selects the efficiency constants (moetrain.plan.constants).
+        peak_tflops: dense TFLOP/s per precision.
+        hbm_gb, hbm_tbps: memory capacity (GiB) and bandwidth (TB/s).
+        nvlink_gbps: NVLink GB/s per direction per GPU. nvlink_domain: GPUs per NVLink domain.
+        nic_gbps: scale-out GB/s per direction per GPU.
+        sfu_texp: exponentials per second (1e12) for the attention softmax.
+        a2a_latency_us: measured per-call all-to-all latency (local bench entries only; None = generation default).
+        op_overhead_us: measured per-operator launch/dispatch overhead (local bench entries only).
+        matmul_curve: measured (matrix size n, TFLOP/s) points of an n x n x n matmul (local bench entries only).
+        source: where the numbers come from.
+    """
+
+    name: str
+    generation: str
+    peak_tflops: dict[str, float]
+    hbm_gb: float
+    hbm_tbps: float
+    nvlink_gbps: float
+    nvlink_domain: int
+    nic_gbps: float
+    sfu_texp: float = 4.0
+    a2a_latency_us: float | None = None
+    op_overhead_us: float | None = None
+    matmul_curve: tuple[tuple[int, float], ...] = field(default=())
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.generation not in GENERATIONS:
+            raise HardwareError(f"GPU {self.name!r}: generation={self.generation!r}; allowed: {list(GENERATIONS)}")
+        bad = sorted(set(self.peak_tflops) - set(PRECISIONS))
+        if bad:
+            raise HardwareError(f"GPU {self.name!r}: unknown precision key(s) {bad} in peak_tflops; allowed: "
+                                f"{list(PRECISIONS)}")
+        for k, v in self.peak_tflops.items():
+            if not v > 0:
+                raise HardwareError(f"GPU {self.name!r}: peak_tflops[{k!r}]={v} must be > 0")
+        for f in ("hbm_gb", "hbm_tbps", "nvlink_gbps", "nic_gbps", "sfu_texp"):
+            if not getattr(self, f) > 0:
+                raise HardwareError(f"GPU {self.name!r}: {f}={getattr(self, f)} must be > 0")
+        if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 1:
+            raise HardwareError(f"GPU {self.name!r}: nvlink_domain={self.nvlink_domain!r} must be an integer >= 1")
+
+    def peak(self, precision: str) -> float:
+        """Dense peak FLOP/s (not TFLOP/s) for a precision; mxfp8 falls back to fp8 only on Blackwell.
+
+        Raises:
+            HardwareError: the GPU has no tensor-core rate for that precision.
+        """
+        if precision in self.peak_tflops:
+            return self.peak_tflops[precision] * 1e12
+        raise HardwareError(f"GPU {self.name!r} has no {precision} rate (has {sorted(self.peak_tflops)})"
+                            + ("; MXFP8 needs Blackwell (use fp8 on Hopper)" if precision == "mxfp8" else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["matmul_curve"] = [list(p) for p in self.matmul_curve]
+        return d
+
+
+def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: float, hbm: float, hbm_bw: float,
+         nvl_bidir: float, domain: int, nic_gbit: float, sfu: float, source: str) -> GPUSpec:
+    peaks = {"bf16": bf16, "fp8": fp8, "fp32": fp32}
+    if gen == "blackwell":
+        peaks["mxfp8"] = fp8
+    if fp4:
+        peaks["fp4"] = fp4
+    return GPUSpec(name=name, generation=gen, peak_tflops=peaks, hbm_gb=hbm, hbm_tbps=hbm_bw,
+                   nvlink_gbps=nvl_bidir / 2, nvlink_domain=domain, nic_gbps=nic_gbit / 8, sfu_texp=sfu,
+                   source=source)
+
+
+_DS = "vendor datasheet (REFERENCE.md section 5; dense peaks, NVLink halved to per-direction)"
+#: The built-in catalogue. FP32 is the non-tensor-core rate (the FP32 router GEMM runs there): 67 TFLOP/s on
+#: H100/H800/H200 SXM, 75 on HGX B200/B300, 80 per GPU of GB200/GB300 NVL72 (5,760 TFLOP/s per rack). SFU rates: Hopper 132 SMs x 16 exp/clk x ~1.83 GHz ~ 3.9e12/s; Blackwell ~5e12/s;
+#: Blackwell Ultra 10.7e12/s (NVIDIA Blackwell Ultra technical brief).
+CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
+    _gpu("h100", "hopper", 989, 1979, None, 67, 80, 3.35, 900, 8, 400, 3.9, _DS + "; H100 SXM"),
+    _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,
+         _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)"),
+    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM"),
+    _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0, _DS + "; HGX B200"),
+    _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
+         "vendor datasheet (HGX B300; not in REFERENCE.md): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
+         "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s"),
+    _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72"),
+    _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72"),
+)}
+
+_ALIASES = {"h100-sxm": "h100", "h800-sxm": "h800", "h200-sxm": "h200", "gb200-nvl72": "gb200",
+            "gb300-nvl72": "gb300", "gb200nvl72": "gb200", "gb300nvl72": "gb300"}
+
+#: User-registered entries (``register_gpu`` / ``load_gpu_file``), looked up after the catalogue.
+_USER: dict[str, GPUSpec] = {}
+
+
+def catalogue_names() -> list[str]:
+    return sorted(set(CATALOGUE) | set(_USER))
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """Look a GPU up by name (case-insensitive; "GB300", "gb300-nvl72" and "gb300" are the same).
+
+    Raises:
+        HardwareError: unknown name; the message lists the catalogue.
+    """
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in _USER:
+        return _USER[key]
+    if key in CATALOGUE:
+        return CATALOGUE[key]
+    raise HardwareError(f"unknown GPU {name!r}; the catalogue has {catalogue_names()} "
+                        "(add your own with --gpu-file FILE.toml, or run `moetrain bench` and use --gpu local)")
+
+
+def register_gpu(spec: GPUSpec) -> GPUSpec:
+    """Add (or replace) a user GPU entry, available to :func:`get_gpu` under ``spec.name``."""
+    _USER[spec.name.lower()] = spec
+    return spec
+
+
+def gpu_from_dict(d: dict[str, Any], name: str | None = None) -> GPUSpec:
+    """Build a GPUSpec from a user entry. Link rates may be given as datasheet numbers:
+    ``nvlink_gbps_bidir`` (halved), ``nic_gbit`` (Gb/s, divided by 8); else ``nvlink_gbps`` / ``nic_gbps``.
+
+    Example TOML::
+
+        [gpu.mi355x]
+        generation = "blackwell"          # which efficiency constants apply
+        peak_tflops = {bf16 = 2300, fp8 = 4600}
+        hbm_gb = 288
+        hbm_tbps = 8.0
+        nvlink_gbps_bidir = 1075
+        nvlink_domain = 8
+        nic_gbit = 400
+
+    Raises:
+        HardwareError: a required key is missing or a value is invalid.
+    """
+    d = dict(d)
+    nm = (name or d.pop("name", None))
+    d.pop("name", None)
+    if not nm:
+        raise HardwareError("a user GPU entry needs a name")
+    if "nvlink_gbps_bidir" in d:
+        d["nvlink_gbps"] = float(d.pop("nvlink_gbps_bidir")) / 2
+    if "nic_gbit" in d:
+        d["nic_gbps"] = float(d.pop("nic_gbit")) / 8
+    required = ("generation", "peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "nvlink_domain", "nic_gbps")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise HardwareError(f"GPU entry {nm!r} lacks {missing}; required: {list(required)} (link rates may also be "
+                            "given as nvlink_gbps_bidir and nic_gbit)")
+    known = {f for f in GPUSpec.__dataclass_fields__} - {"name"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise HardwareError(f"GPU entry {nm!r}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    if not isinstance(d["peak_tflops"], dict):
+        raise HardwareError(f"GPU entry {nm!r}: peak_tflops must be a table like {{bf16 = 989, fp8 = 1979}}")
+    d["peak_tflops"] = {str(k).lower(): float(v) for k, v in d["peak_tflops"].items()}
+    if d["generation"] == "blackwell" and "fp8" in d["peak_tflops"]:
+        d["peak_tflops"].setdefault("mxfp8", d["peak_tflops"]["fp8"])
+    if "matmul_curve" in d:
+        d["matmul_curve"] = tuple((int(n), float(t)) for n, t in d["matmul_curve"])
+    try:
+        d["nvlink_domain"] = int(d["nvlink_domain"])
+        return GPUSpec(name=str(nm).lower(), **d)
+    except (TypeError, ValueError) as e:
+        raise HardwareError(f"GPU entry {nm!r}: {e}") from None
+
+
+def load_gpu_file(path: str | os.PathLike) -> list[GPUSpec]:
+    """Read user GPU entries from TOML (``[gpu.NAME]`` tables) or JSON (``{"gpu": {"NAME": {...}}}`` or a list of
+    entries with ``name``) and register them.
+
+    Raises:
+        HardwareError: unreadable file or bad entry.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise HardwareError(f"cannot read GPU file {p}: {e}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # pragma: no cover - python < 3.11
+                import tomli as tomllib  # type: ignore[no-redef]
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - report any parse error with the file name
+        raise HardwareError(f"cannot parse GPU file {p}: {e}") from None
+    entries = data.get("gpu", data) if isinstance(data, dict) else data
+    out: list[GPUSpec] = []
+    if isinstance(entries, dict):
+        for nm, e in entries.items():
+            out.append(register_gpu(gpu_from_dict(e, name=nm)))
+    elif isinstance(entries, list):
+        for e in entries:
+            out.append(register_gpu(gpu_from_dict(e)))
+    else:
+        raise HardwareError(f"GPU file {p}: expected [gpu.NAME] tables or a list of entries")
+    return out
+
+
+# ---- the local machine, from `moetrain bench` ------------------------------------------------------------------
+
+DEFAULT_BENCH_PATH = Path(".cache") / "moetrain" / "bench.json"
+
+
+def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name: str = "local") -> GPUSpec:
+    """A "cpu" GPUSpec built from ``moetrain bench`` measurements (a dict or the JSON file it wrote).
+
+    The measured large-matmul rate becomes ``peak_tflops['fp32']`` (and bf16 when measured), measured memory copy
+    bandwidth becomes ``hbm_tbps``, the measured all-to-all bandwidth between local processes becomes both
+    ``nvlink_gbps`` and ``nic_gbps`` (one machine = one domain), and the measured latencies are kept.
+
+    Raises:
+        HardwareError: no bench file (run ``moetrain bench`` first) or a malformed one.
+    """
+    if bench is None:
+        bench = DEFAULT_BENCH_PATH
+    if not isinstance(bench, dict):
+        p = Path(bench)
+        if not p.is_file():
+            raise HardwareError(f"no bench results at {p}; run `moetrain bench` first (it writes that file)")
+        try:
+            bench = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise HardwareError(f"cannot read bench results {p}: {e}") from None
+    try:
+        mm = bench["matmul"]
+        curve = tuple(sorted((int(r["n"]), float(r["tflops"])) for r in mm["fp32"]))
+        peaks = {"fp32": max(t for _, t in curve)}
+        if mm.get("bf16"):
+            peaks["bf16"] = max(float(r["tflops"]) for r in mm["bf16"])
+        a2a = bench["all_to_all"]
+        a2a_bw = float(a2a["bandwidth_gbps"])
+        spec = GPUSpec(
+            name=name, generation="cpu", peak_tflops=peaks,
+            hbm_gb=float(bench.get("memory_gb", 16.0)), hbm_tbps=float(bench["memory_bandwidth_gbps"]) / 1e3,
+            nvlink_gbps=a2a_bw, nvlink_domain=1 << 20, nic_gbps=a2a_bw, sfu_texp=1e3,
+            a2a_latency_us=float(a2a["latency_us"]), op_overhead_us=float(bench["op_overhead_us"]),
+            matmul_curve=curve, source=f"moetrain bench on {bench.get('host', 'this machine')}",
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise HardwareError(f"malformed bench results ({e!r}); rerun `moetrain bench`") from None
+    return register_gpu(spec)
+
+
+def with_overrides(spec: GPUSpec, **changes: Any) -> GPUSpec:
+    """A copy of ``spec`` with some fields changed (e.g. ``nic_gbps=100``), for what-if studies."""
+    return replace(spec, **changes)

@@ -1,0 +1,775 @@
+"""The analytical performance model: step time, throughput and memory of a plan on a cluster.
+
+How a step is built (docs/performance-model.md has the long version):
+
+1. **Pipeline items.** The model is a sequence of items -- embedding ``E``, dense layers ``d``, MoE layers ``t``,
+   MTP modules ``m``, the output head + loss ``L`` -- split into pipeline stages (a Megatron layout string, or a
+   split that balances predicted time).
+2. **One item, one micro-batch, one GPU (forward + backward).** Compute time from the FLOPs of
+   :mod:`moetrain.accounting` (the ``moetrain count`` numbers) divided by peak x efficiency, per class of kernel:
+   dense GEMMs, grouped expert GEMMs, attention (with its softmax bounded by the exponential units), the BF16
+   output head; each GEMM is also bounded below by the time to stream its weights (roofline). Memory-bound
+   kernels (norms, RoPE, SwiGLU, permutes, casts) move a number of bytes derived from the layer's tensor sizes.
+   Recomputation adds forward work. The expert all-to-all (dispatch + combine, forward + backward) moves
+   ``tokens x distinct destinations x hidden x bytes`` over NVLink inside a domain and over the NIC across
+   domains (one copy per destination domain, forwarded over NVLink there), at the slowest rank's load, plus a
+   fixed latency per call. TP collectives (sequence parallel) and CP ring exchanges add communication.
+3. **Overlap.** With expert-parallel overlap (or DualPipe) the all-to-all of one micro-batch runs under the
+   compute of another: an item takes ``max(a2a, compute + share * a2a)`` (the communication kernels hold
+   ``share`` of the SMs) instead of ``compute + a2a``, except in pipeline warm-up/cool-down where no partner
+   micro-batch exists.
+4. **Pipeline.** ``step = m * t_slowest_device + bubble`` with the bubble of 1F1B ``(PP-1) t``, interleaved
+   ``(PP-1)/VPP t`` or DualPipe ``(PP/2-1)(F&B + B - 3W)``; plus the data-parallel gradient reduce-scatter and
+   parameter all-gather not hidden behind the last/first micro-batch, plus the optimizer step (memory-bound).
+5. **Memory** per GPU: weights, FP8 weight copies, gradients, sharded optimizer states, the activations of the
+   micro-batches in flight on the busiest pipeline rank, and a fixed reserve. A plan that does not fit is
+   reported as not fitting and gets no throughput.
+
+All efficiency constants live in :mod:`moetrain.plan.constants`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from moetrain.plan.constants import (
+    ELEMENTWISE_BWD_TO_FWD,
+    FP8_BYTES,
+    RESERVED_GIB,
+    ROUTING_SAMPLES,
+    Efficiency,
+    efficiency_for,
+)
+from moetrain.plan.hardware import GPUSpec, get_gpu
+from moetrain.plan.plan import Plan, PlanError, balanced_partition, default_items, layout_items, validate
+from moetrain.plan.shape import ModelShape, load_shape
+
+GIB = float(1 << 30)
+TP_COLLECTIVE_LATENCY_S = 10e-6  # one NCCL all-gather / reduce-scatter call inside an NVLink domain
+P2P_LATENCY_S = 10e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Routing statistics: how many ranks / domains a token's top-k experts live on
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """Expected copies of one token per dispatch, by where they go (balanced routing, Monte Carlo).
+
+    Attributes:
+        same_domain_ranks: distinct destination ranks in the sender's NVLink domain, the sender excluded.
+        remote_domains: distinct destination domains other than the sender's (one NIC copy each).
+        remote_domain_ranks: distinct destination ranks in those domains (NVLink forwarding there).
+        ranks: all distinct destination ranks, the sender included.
+    """
+
+    same_domain_ranks: float
+    remote_domains: float
+    remote_domain_ranks: float
+    ranks: float
+
+
+@lru_cache(maxsize=4096)
+def routing_stats(n_experts: int, top_k: int, ep: int, ranks_per_domain: int, n_groups: int = 1,
+                  n_limited_groups: int = 1, node_limit: int | None = None,
+                  samples: int = ROUTING_SAMPLES, seed: int = 0) -> RoutingStats:
+    """Monte-Carlo estimate of the destinations of a token's k experts under balanced routing.
+
+    Experts are placed in order, E/EP per rank; ranks fill NVLink domains of ``ranks_per_domain``. Each token
+    draws k distinct experts uniformly among its candidates: all experts; or those of ``n_limited_groups`` random
+    groups out of ``n_groups`` (group-limited routing; forced-balanced benchmarks keep it); or, with
+    ``node_limit`` M, those of M random domains (DeepSeek-V3 node-limited routing). A dispatcher sends one copy
+    per destination rank (tokens for several experts of one rank travel once), and across domains one copy per
+    destination domain, forwarded over NVLink there (DeepEP / HybridEP).
+    """
+    if ep <= 1:
+        return RoutingStats(0.0, 0.0, 0.0, 1.0)
+    rng = np.random.default_rng(seed)
+    per_rank = n_experts // ep
+    r = max(1, min(ranks_per_domain, ep))
+    n_dom = math.ceil(ep / r)
+    src = rng.integers(0, ep, size=samples)
+    if node_limit is not None and node_limit < n_dom:
+        doms = np.argsort(rng.random((samples, n_dom)), axis=1)[:, :node_limit]
+        per_dom = n_experts // n_dom
+        cand = (doms[:, :, None] * per_dom + np.arange(per_dom)[None, None, :]).reshape(samples, -1)
+    elif n_groups > 1 and n_limited_groups < n_groups:
+        gsize = n_experts // n_groups
+        groups = np.argsort(rng.random((samples, n_groups)), axis=1)[:, :n_limited_groups]
+        cand = (groups[:, :, None] * gsize + np.arange(gsize)[None, None, :]).reshape(samples, -1)
+    else:
+        cand = np.broadcast_to(np.arange(n_experts), (samples, n_experts))
+    pick = np.argsort(rng.random(cand.shape), axis=1)[:, :top_k]
+    experts = np.take_along_axis(cand, pick, axis=1)
+    ranks = experts // per_rank
+    doms_of = ranks // r
+    src_dom = (src // r)[:, None]
+    same, rdoms, rranks, allr = 0.0, 0.0, 0.0, 0.0
+    for i in range(samples):
+        ur = np.unique(ranks[i])
+        ud = ur // r
+        allr += len(ur)
+        same += np.count_nonzero((ud == src_dom[i, 0]) & (ur != src[i]))
+        rem = ud != src_dom[i, 0]
+        rranks += np.count_nonzero(rem)
+        rdoms += len(np.unique(ud[rem]))
+    del doms_of
+    return RoutingStats(same / samples, rdoms / samples, rranks / samples, allr / samples)
+
+
+def _ranks_per_domain(ep: int, domain: int) -> int:
+    """EP ranks that share an NVLink domain: all of them if the group fits, else the largest divisor of EP that
+    fits (schedulers place aligned blocks, e.g. 64 GPUs of a 72-GPU NVL72 rack)."""
+    if ep <= domain:
+        return ep
+    return max(d for d in range(1, domain + 1) if ep % d == 0)
+
+
+def _members_per_domain(group: int, stride: int, domain: int) -> int:
+    """Members of a collective group (``group`` ranks ``stride`` apart) that share an NVLink domain."""
+    if stride >= domain:
+        return 1
+    fit = max(1, domain // stride)
+    return max(d for d in range(1, min(group, fit) + 1) if group % d == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cost of one pipeline item for one micro-batch on one GPU
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ItemCost:
+    """Forward + backward of one pipeline item for one micro-batch on one GPU (seconds, bytes, FLOPs).
+
+    ``flops`` is the model FLOPs (Megatron accounting) done on this GPU; recomputation is extra time, not FLOPs.
+    """
+
+    kind: str
+    flops: float = 0.0
+    gemm_s: float = 0.0
+    grouped_s: float = 0.0
+    attn_s: float = 0.0
+    head_s: float = 0.0
+    mem_s: float = 0.0
+    recompute_s: float = 0.0
+    overhead_s: float = 0.0
+    a2a_s: float = 0.0
+    tp_s: float = 0.0
+    cp_s: float = 0.0
+    act_bytes: float = 0.0
+    params_dense: float = 0.0
+    params_expert: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.gemm_s + self.grouped_s + self.attn_s + self.head_s + self.mem_s + self.recompute_s + self.overhead_s
+
+    def time(self, overlap: bool, sm_share: float) -> tuple[float, float]:
+        """(time of the item, exposed all-to-all part), communication outside the a2a included."""
+        c, a = self.compute_s, self.a2a_s
+        if overlap and a > 0:
+            # forward a2a (half of the volume) under the partner's backward compute (2/3 of the compute), backward
+            # a2a under the partner's forward compute (1/3); compute runs on the SMs the a2a kernels leave free
+            t = max(a / 2, 2 * c / 3 + sm_share * a / 2) + max(a / 2, c / 3 + sm_share * a / 2)
+        else:
+            t = c + a
+        return t + self.tp_s + self.cp_s, t - c
+
+
+class _Ctx:
+    """Everything the per-item formulas need, computed once per prediction."""
+
+    def __init__(self, shape: ModelShape, gpu: GPUSpec, plan: Plan, eff: Efficiency):
+        self.shape, self.gpu, self.plan, self.eff = shape, gpu, plan, eff
+        p = plan
+        self.tok_mb = p.micro_batch * p.seq_len                    # tokens of one micro-batch (one DP replica)
+        self.n = self.tok_mb / (p.tp * p.cp)                       # tokens per GPU (sequence + context parallel)
+        self.fb = shape.flops(p.seq_len)
+        self.fp8 = p.precision in ("fp8", "mxfp8")
+        self.gemm_peak = self._peak(p.precision) * eff.gemm(p.precision)
+        self.bf16_peak = self._peak("bf16") * eff.gemm("bf16")
+        self.attn_peak = self._peak(p.attn_precision) * eff.attention
+        self.fp32_peak = self._peak("fp32") * eff.gemm("fp32")
+        self.hbm = gpu.hbm_tbps * 1e12 * eff.hbm
+        self.nvl = gpu.nvlink_gbps * 1e9 * eff.nvlink
+        self.nic = gpu.nic_gbps * 1e9 * eff.nic
+        self.w_bytes = 1.0 if self.fp8 else 2.0                    # weight bytes a GEMM streams
+        self.grad_bytes = 2.0 if p.optimizer == "bf16" else 4.0
+        self.act_q = 1.0 if self.fp8 else 2.0                      # saved GEMM inputs (FP8 copies under FP8)
+        self.attn_q = 1.0 if p.attn_precision == "fp8" else 2.0
+        self.imb = p.load_imbalance
+        self.e_loc = shape.n_experts // p.ep
+        self.domain = gpu.nvlink_domain
+        self.a2a_lat = gpu.a2a_latency_us * 1e-6 if gpu.a2a_latency_us is not None else eff.a2a_latency_s
+        self.op_over = (gpu.op_overhead_us or 0.0) * 1e-6
+        r = _ranks_per_domain(p.ep, self.domain)
+        self.rstats = routing_stats(shape.n_experts, shape.top_k, p.ep, r, shape.n_expert_groups,
+                                    shape.n_limited_groups, p.node_limit_m)
+
+    def _peak(self, precision: str) -> float:
+        pk = self.gpu.peak_tflops
+        if precision == "bf16" and "bf16" not in pk and "fp32" in pk:
+            return self.gpu.peak("fp32")
+        if precision == "fp32" and "fp32" not in pk:
+            return self.gpu.peak("bf16") / 16  # no FP32 figure: assume the usual 1/16 of the BF16 tensor rate
+        return self.gpu.peak(precision)
+
+    # ---- rates ---------------------------------------------------------------------------------------------
+    def _curve_rate(self, m: float, k: float, n: float) -> float | None:
+        """Measured matmul rate (FLOP/s) at the size of an (m x k) @ (k x n) GEMM, from a bench curve."""
+        curve = self.gpu.matmul_curve
+        if not curve:
+            return None
+        size = max(1.0, (m * k * n) ** (1 / 3))
+        xs = [math.log(c[0]) for c in curve]
+        ys = [c[1] for c in curve]
+        x = math.log(size)
+        if x <= xs[0]:
+            y = ys[0] * size / curve[0][0]  # below the smallest measured size: rate falls with size
+        elif x >= xs[-1]:
+            y = ys[-1]
+        else:
+            y = float(np.interp(x, xs, ys))
+        return y * 1e12 * self.eff.gemm("fp32")
+
+    def gemm_time(self, flops: float, shapes: list[tuple[float, float, float, float]], peak: float,
+                  fp8: bool | None = None, grouped: bool = False) -> tuple[float, float]:
+        """Time of a set of GEMMs (forward, data-gradient and weight-gradient passes) and the memory-bound time
+        of their FP8 gradient casts.
+
+        ``flops`` is the accounting FLOPs of the set (the compute time uses it); ``shapes`` lists the forward GEMMs
+        as (M, K, N, copies). Each pass is a roofline: it cannot be faster than streaming its operands (inputs,
+        weights, outputs, the weight-gradient accumulation) through HBM. Under FP8 every GEMM's output gradient
+        is cast to FP8 (row- and column-wise) in the backward: read 2 + write 2 bytes per element.
+        """
+        if flops <= 0:
+            return 0.0, 0.0
+        fp8 = self.fp8 if fp8 is None else fp8
+        qx = 1.0 if fp8 else 2.0
+        w = 1.0 if fp8 else 2.0
+        m0, k0, n0, _ = max(shapes, key=lambda t: t[0] * t[1] * t[2] * t[3])
+        rate = self._curve_rate(m0, k0, n0) or peak
+        if grouped:
+            rate *= self.eff.grouped_gemm
+        shape_flops = sum(6 * m * k * n * c for m, k, n, c in shapes) or 1.0
+        scale = flops / shape_flops
+        t = flops / rate
+        cast = 0.0
+        for m, k, n, c in shapes:
+            f_pass = 2 * m * k * n * scale / rate
+            passes = (m * k * qx + k * n * w + m * n * 2,           # forward: X, W -> Y
+                      m * n * qx + k * n * w + m * k * 2,           # data gradient: dY, W -> dX
+                      m * k * qx + m * n * qx + k * n * self.grad_bytes * 2)  # weight gradient: X, dY -> dW (+=)
+            t += c * sum(max(0.0, b / self.hbm - f_pass) for b in passes)
+            if fp8:
+                cast += c * m * n * 4 / self.hbm
+        return t, cast
+
+    def link(self, group_span_domains: bool) -> float:
+        return self.nic if group_span_domains else self.nvl
+
+
+def _attention_item(c: _Ctx, cost: ItemCost) -> None:
+    s, p, fb, n = c.shape, c.plan, c.fb, c.n
+    h, tp = s.dim, p.tp
+    rc = p.recomputed
+    T = c.tok_mb / p.cp                                       # tokens of a TP-split GEMM (sequence gathered)
+    flops_proj = fb.attn_proj * n
+    flops_core = fb.attn_core * n
+    cost.flops += flops_proj + flops_core
+    cost.params_dense += s.attn_params / tp
+    if s.attention == "mla":
+        nope = s.qk_head_dim - s.qk_rope
+        shapes = [(n, h, s.kv_lora + s.qk_rope, 1), (T, s.kv_lora, s.n_heads * (nope + s.v_head_dim) / tp, 1),
+                  (T, s.o_width / tp, h, 1)]
+        shapes += ([(n, h, s.q_lora, 1), (T, s.q_lora, s.q_width / tp, 1)] if s.q_lora
+                   else [(T, h, s.q_width / tp, 1)])
+    else:
+        shapes = [(T, h, (s.q_width + 2 * s.n_kv_heads * s.qk_head_dim) / tp, 1), (T, s.o_width / tp, h, 1)]
+    t, cast = c.gemm_time(flops_proj, shapes, c.gemm_peak)
+    cost.gemm_s += t
+    cost.mem_s += cast
+    # attention core: MMAs at the attention peak, softmax exponentials at the SFU rate (forward + recompute in bwd)
+    n_exp = T * (s.n_heads / tp) * p.seq_len
+    sfu = c.gpu.sfu_texp * 1e12 * c.eff.sfu
+    rate = c._curve_rate(p.seq_len, s.qk_head_dim, p.seq_len)
+    rate = rate * c.eff.attention if rate else c.attn_peak
+    cost.attn_s += max(flops_core / rate, n_exp / sfu)
+    # memory-bound forward bytes per token (norm + cast, RoPE / layout of q and k, output cast, residual add)
+    if s.attention == "mla":
+        fwd = (4 * h + (4 * s.q_lora if s.q_lora else 0) + 4 * (s.kv_lora + s.qk_rope) + 4 * s.q_width
+               + 2 * s.n_heads * (nope + s.v_head_dim) + 2 * (s.q_width + s.n_heads * s.v_head_dim)
+               + 4 * s.o_width + 6 * h)
+    else:
+        kw = s.n_kv_heads * s.qk_head_dim
+        fwd = 4 * h + 4 * (s.q_width + kw) + 4 * s.o_width + 6 * h
+    cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
+    # saved activations per token
+    q, a = c.act_q, c.attn_q
+    if s.attention == "mla":
+        latents = (2 + q) * (s.q_lora + s.kv_lora) + 2 * s.qk_rope
+        upproj = 2 * s.upproj_widths
+        qkv = a * (s.q_width + s.kv_width)
+    else:
+        latents, upproj = 0.0, 0.0
+        qkv = a * (s.q_width + 2 * s.n_kv_heads * s.qk_head_dim)
+    normed = q * h
+    if "norm" in rc:
+        normed = 0.0
+        cost.recompute_s += n * (2 * h + 2 * h) / c.hbm
+    if "mla_up_proj" in rc and s.attention == "mla":
+        upproj, qkv = 0.0, 0.0   # MLA up-projections (and the q/k/v built from them) recomputed
+        up = [(T, s.kv_lora, s.n_heads * (nope + s.v_head_dim) / tp, 1)]
+        up += [(T, s.q_lora, s.q_width / tp, 1)] if s.q_lora else []
+        tu, _ = c.gemm_time(s.upproj_flops_per_token() * n * 3, up, c.gemm_peak)
+        cost.recompute_s += tu / 3 + n * (4 * s.q_width + 2 * s.n_heads * (nope + s.v_head_dim)) / c.hbm
+    cost.act_bytes += n * (2 * h + normed + latents + a * s.o_width + 4 * s.n_heads + q * s.o_width + upproj + qkv)
+    # tensor parallel (sequence parallel): all-gather before the projections, reduce-scatter after, fwd + bwd
+    if tp > 1:
+        by = (tp - 1) / tp * T * h * 2
+        cost.tp_s += 4 * (by / c.link(tp > c.domain) + TP_COLLECTIVE_LATENCY_S)
+    # context parallel: ring exchange of K and V (forward), K, V and their gradients (backward), under the compute
+    if p.cp > 1:
+        by = (p.cp - 1) * T * s.kv_width / tp * 2 * 3
+        t_cp = by / c.link(tp * p.cp > c.domain)
+        cost.cp_s += max(0.0, t_cp - cost.attn_s)
+
+
+def _ffn_item(c: _Ctx, cost: ItemCost, width: int, params: float, flops_per_token: float) -> None:
+    """A TP-split SwiGLU FFN (dense FFN or the shared experts)."""
+    s, p, n, h = c.shape, c.plan, c.n, c.shape.dim
+    if width <= 0:
+        return
+    T = c.tok_mb / p.cp
+    f = flops_per_token * n
+    cost.flops += f
+    cost.params_dense += params / p.tp
+    t, cast = c.gemm_time(f, [(T, h, 2 * width / p.tp, 1), (T, width / p.tp, h, 1)], c.gemm_peak)
+    cost.gemm_s += t
+    cost.mem_s += cast + n * 6 * width * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
+    cost.act_bytes += n * (c.act_q * h + 2 * 2 * width + c.act_q * width)
+    if p.tp > 1:
+        by = (p.tp - 1) / p.tp * T * h * 2
+        cost.tp_s += 4 * (by / c.link(p.tp > c.domain) + TP_COLLECTIVE_LATENCY_S)
+
+
+def _a2a_pass_time(c: _Ctx, bytes_per_elem: float) -> float:
+    st, h = c.rstats, c.shape.dim
+    nvl = c.n * (st.same_domain_ranks + st.remote_domain_ranks) * h * bytes_per_elem
+    nic = c.n * st.remote_domains * h * bytes_per_elem
+    t = max(nvl / c.nvl, nic / c.nic if nic else 0.0)
+    return t * c.imb + c.a2a_lat
+
+
+def _moe_item(c: _Ctx, cost: ItemCost) -> None:
+    s, p, fb, n, h = c.shape, c.plan, c.fb, c.n, c.shape.dim
+    k, F = s.top_k, s.expert_ffn
+    rc = p.recomputed
+    # router: an FP32 GEMM (Megatron moe_router_dtype=fp32, DeepSeek's FP32 gating), not in the model FLOPs
+    cost.params_dense += s.n_experts * h / p.tp
+    t, _ = c.gemm_time(6.0 * n * h * s.n_experts, [(n, h, s.n_experts, 1)], c.fp32_peak, fp8=False)
+    cost.gemm_s += t
+    _ffn_item(c, cost, s.shared_ffn, 3 * h * s.shared_ffn, fb.shared)
+    # routed experts: n*k assignments per GPU on average, the busiest rank gets imbalance x that
+    f = fb.routed * n
+    cost.flops += f
+    p_exp = c.e_loc * s.expert_params
+    cost.params_expert += p_exp
+    rows = n * k * c.imb / max(1, c.e_loc)
+    t, cast = c.gemm_time(f * c.imb, [(rows, h, 2 * F, c.e_loc), (rows, F, h, c.e_loc)], c.gemm_peak, grouped=True)
+    cost.grouped_s += t
+    cost.mem_s += cast
+    # memory-bound: norm + cast, router scores, permute (+cast), SwiGLU (+cast), unpermute, shared add, residual
+    fwd = (4 * h + 16 * s.n_experts + (2 * h + 2 * k * h) * c.imb + 6 * k * F * c.imb
+           + (2 * k * h) * c.imb + 2 * h + 6 * h + 6 * h)
+    cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
+    # saved activations: residual, router input and scores, expert inputs, fc1 outputs (SwiGLU input), fc2 inputs
+    q = c.act_q
+    normed = 2 * h
+    if "norm" in rc:
+        normed = 0.0
+        cost.recompute_s += n * 4 * h / c.hbm
+    swiglu_in, swiglu_out = 2 * 2 * F, q * F
+    if "moe_act" in rc:
+        swiglu_in, swiglu_out = q * 2 * F, 0.0
+        cost.recompute_s += n * k * c.imb * 6 * F / c.hbm
+    act = 2 * h + normed + 4 * s.n_experts + k * c.imb * (q * h + swiglu_in + swiglu_out + 8)
+    cost.act_bytes += n * act
+    # expert all-to-all: dispatch + combine forward, the same two directions in backward
+    d_b = FP8_BYTES if p.dispatch_precision == "fp8" else 2.0
+    passes = [d_b, 2.0, d_b, 2.0]
+    if p.recompute == "full":
+        passes += [d_b, 2.0]
+    if p.ep > 1:
+        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes)
+
+
+def _head_item(c: _Ctx, cost: ItemCost, n_heads_out: int = 1) -> None:
+    s, p, n, h = c.shape, c.plan, c.n, c.shape.dim
+    T = c.tok_mb / p.cp
+    f = c.fb.head * n * n_heads_out
+    cost.flops += f
+    cost.params_dense += s.head_params / p.tp + h
+    # the output head stays BF16 (Megatron's output layer and DeepSeek-V3 keep it out of FP8)
+    t, _ = c.gemm_time(f, [(T, h, s.vocab / p.tp, n_heads_out)], c.bf16_peak, fp8=False)
+    cost.head_s += t
+    # fused cross-entropy: read logits, write their gradient (once, in the forward); final norm
+    cost.mem_s += n * n_heads_out * 4 * s.vocab / c.hbm + n * 12 * h / c.hbm
+    cost.act_bytes += n * n_heads_out * (2 * s.vocab + 2 * h)
+    if p.tp > 1:
+        by = (p.tp - 1) / p.tp * T * h * 2
+        cost.tp_s += 2 * n_heads_out * (by / c.link(p.tp > c.domain) + TP_COLLECTIVE_LATENCY_S)
+
+
+def _ops_overhead(c: _Ctx, kind: str) -> float:
+    """Per-operator dispatch overhead (only for measured local machines; GPUs hide launches behind long kernels
+    or CUDA graphs). Operator counts of one forward; the backward launches about twice as many."""
+    if not c.op_over:
+        return 0.0
+    per_fwd = {"d": 45, "t": 70 + 4 * c.e_loc, "m": 80 + 4 * c.e_loc, "L": 10, "E": 3}[kind]
+    return 3 * per_fwd * c.op_over
+
+
+def item_cost(c: _Ctx, kind: str) -> ItemCost:
+    """Cost of one pipeline item ("E", "d", "t", "m", "L") for one micro-batch on one GPU."""
+    s, p = c.shape, c.plan
+    cost = ItemCost(kind=kind)
+    if kind == "E":
+        cost.params_dense += s.embedding_params / p.tp
+        cost.mem_s += c.n * 2 * s.dim * 3 / c.hbm
+    elif kind == "d":
+        _attention_item(c, cost)
+        _ffn_item(c, cost, s.dense_ffn, s.dense_ffn_params, c.fb.dense_ffn)
+    elif kind in ("t", "m"):
+        _attention_item(c, cost)
+        _moe_item(c, cost)
+        if kind == "m":
+            f = c.fb.mtp_extra * c.n
+            cost.flops += f
+            cost.params_dense += s.mtp_extra_params / p.tp
+            t, cast = c.gemm_time(f, [(c.tok_mb / p.cp, 2 * s.dim, s.dim / p.tp, 1)], c.gemm_peak)
+            cost.gemm_s += t
+            cost.mem_s += cast + c.n * 16 * s.dim * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
+            _head_item(c, cost)  # the MTP module's logits through the shared head
+            cost.params_dense -= s.head_params / p.tp + s.dim  # the head is shared, not held twice
+            cost.act_bytes += c.n * 4 * s.dim
+    elif kind == "L":
+        _head_item(c, cost)
+    else:  # pragma: no cover
+        raise ValueError(kind)
+    if p.recompute == "full" and kind in ("d", "t", "m"):
+        # forward again from the saved layer input; activations kept = the layer input only
+        cost.recompute_s = (cost.gemm_s + cost.grouped_s + cost.attn_s + cost.mem_s) / 3
+        cost.act_bytes = c.n * 2 * s.dim
+        cost.tp_s *= 1.5
+    cost.overhead_s += _ops_overhead(c, kind)
+    return cost
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prediction
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class MemoryBreakdown:
+    """Per-GPU memory of the most loaded pipeline rank, GiB."""
+
+    weights: float
+    fp8_weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    reserved: float
+    device: int
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.fp8_weights + self.gradients + self.optimizer + self.activations + self.reserved
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+@dataclass
+class StepBreakdown:
+    """Step time split (seconds) on the slowest pipeline rank; the parts sum to ``step``."""
+
+    compute: float
+    exposed_a2a: float
+    other_comm: float
+    bubble: float
+    optimizer: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.exposed_a2a + self.other_comm + self.bubble + self.optimizer
+
+    def to_dict(self) -> dict[str, float]:
+        d = asdict(self)
+        d["step"] = self.step
+        return d
+
+
+@dataclass
+class Prediction:
+    """What the model predicts for one plan on one cluster.
+
+    When ``fits`` is False the throughput fields are None and ``message`` says what does not fit.
+    """
+
+    model: str
+    gpu: str
+    n_gpus: int
+    plan: Plan
+    fits: bool
+    memory: MemoryBreakdown
+    memory_limit_gib: float
+    flops_per_token: float
+    step: StepBreakdown | None = None
+    tokens_per_s_per_gpu: float | None = None
+    tflops_per_gpu: float | None = None
+    mfu: float | None = None
+    mfu_bf16: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def step_time(self) -> float | None:
+        return self.step.step if self.step else None
+
+    def time_to_train(self, tokens: float) -> float | None:
+        """Seconds to train on ``tokens`` tokens at the predicted throughput (None if the plan does not fit)."""
+        if not self.tokens_per_s_per_gpu:
+            return None
+        return tokens / (self.tokens_per_s_per_gpu * self.n_gpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "gpu": self.gpu, "n_gpus": self.n_gpus, "plan": self.plan.to_dict(),
+            "fits": self.fits, "message": self.message,
+            "memory_gib": self.memory.to_dict(), "memory_limit_gib": self.memory_limit_gib,
+            "flops_per_token": self.flops_per_token,
+            "step_s": self.step.to_dict() if self.step else None,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu, "mfu_bf16": self.mfu_bf16, "details": self.details,
+        }
+
+
+def _stage_items(shape: ModelShape, plan: Plan, item_times: dict[str, float]) -> list[list[str]]:
+    sched = plan.resolved_schedule
+    n_stages = plan.pp if sched == "dualpipe" else plan.pp * plan.vpp
+    if plan.pp_layout:
+        return layout_items(plan.pp_layout, shape, n_stages)
+    items = default_items(shape)
+    parts = balanced_partition([item_times[i] for i in items], n_stages)
+    return [items[a:b] for a, b in parts]
+
+
+def _device_stages(plan: Plan, n_stages: int) -> list[list[int]]:
+    """Stage indices held by each pipeline rank."""
+    if plan.resolved_schedule == "dualpipe":
+        return [[d, plan.pp - 1 - d] for d in range(plan.pp)]
+    return [[s for s in range(n_stages) if s % plan.pp == d] for d in range(plan.pp)]
+
+
+def _in_flight(plan: Plan, device: int) -> list[float]:
+    """Micro-batches whose activations a pipeline rank holds at its peak, per model chunk it holds."""
+    m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
+    sched = plan.resolved_schedule
+    if sched == "dualpipe":
+        return [(pp + 1) / 2, (pp + 1) / 2]
+    if sched == "1f1b":
+        return [float(min(m, pp - device))]
+    warm = min(m * vpp, (pp - device - 1) * 2 + (vpp - 1) * pp + 1)
+    counts = [0.0] * vpp
+    for f in range(warm):
+        counts[(f // pp) % vpp] += 1
+    return counts
+
+
+def _unpaired_fraction(plan: Plan) -> float:
+    """Share of a rank's micro-batch chunks in pipeline warm-up / cool-down, where EP overlap has no partner."""
+    m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
+    sched = plan.resolved_schedule
+    if sched == "dualpipe":
+        return min(1.0, (pp / 2) / m)
+    if sched == "interleaved":
+        return min(1.0, ((pp - 1) * 2 + (vpp - 1) * pp + 1) / (m * vpp))
+    return min(1.0, pp / m)
+
+
+def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Prediction:
+    """Predict step time, throughput and memory of ``plan`` for ``model`` on ``n_gpus`` GPUs of type ``gpu``.
+
+    Args:
+        model: a preset name, HF config.json path, ModelConfig / GQAMoEConfig, or ModelShape.
+        gpu: a GPUSpec or catalogue name.
+        n_gpus: GPU count.
+        plan: the plan (validated here; DP is derived when None).
+
+    Returns:
+        :class:`Prediction`; ``fits`` is False (and no throughput is given) when the plan needs more memory
+        than the GPU has.
+
+    Raises:
+        PlanError: invalid plan (sizes that do not multiply to the GPU count, EP not dividing the experts, ...).
+        HardwareError: unknown GPU. ShapeError: unknown model.
+    """
+    shape = load_shape(model)
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
+    plan = validate(plan, shape, spec, n_gpus)
+    eff = efficiency_for(spec.generation)
+    c = _Ctx(shape, spec, plan, eff)
+    sched = plan.resolved_schedule
+    overlap = plan.overlapped and plan.ep > 1
+    u = _unpaired_fraction(plan) if overlap else 1.0
+    share = eff.comm_sm_share
+
+    costs = {k: item_cost(c, k) for k in ("E", "d", "t", "m", "L")}
+
+    def item_time(k: str) -> tuple[float, float]:
+        t_ov, a_ov = costs[k].time(True, share)
+        t_no, a_no = costs[k].time(False, share)
+        if not overlap:
+            return t_no, a_no
+        return (1 - u) * t_ov + u * t_no, (1 - u) * a_ov + u * a_no
+
+    times = {k: item_time(k)[0] for k in costs}
+    stages = _stage_items(shape, plan, times)
+    dev_stages = _device_stages(plan, len(stages))
+
+    # pipeline P2P per stage boundary and micro-batch (activations forward, gradients backward)
+    p2p_bytes = c.tok_mb / (plan.cp * plan.tp) * shape.dim * 2
+    p2p_link = c.link(plan.stage_size * 2 > c.domain) if plan.pp > 1 else c.nvl
+    p2p_t = 2 * (p2p_bytes / p2p_link + P2P_LATENCY_S) if plan.pp > 1 else 0.0
+    p2p_exposed = sched == "1f1b"
+
+    dev_time, dev_parts = [], []
+    for d, sts in enumerate(dev_stages):
+        parts = {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
+        t_total = 0.0
+        for s_idx in sts:
+            for k in stages[s_idx]:
+                t, a = item_time(k)
+                comm = costs[k].tp_s + costs[k].cp_s
+                parts["a2a"] += a
+                parts["comm"] += comm
+                parts["compute"] += t - a - comm
+                t_total += t
+            if p2p_exposed:
+                parts["comm"] += p2p_t
+                t_total += p2p_t
+        if sched == "dualpipe":  # each micro-batch visits one of the rank's two stages
+            parts = {k: v / 2 for k, v in parts.items()}
+            t_total /= 2
+        dev_time.append(t_total)
+        dev_parts.append(parts)
+    m = plan.n_microbatches
+    slow = int(np.argmax(dev_time))
+    t_max, t_mean = dev_time[slow], float(np.mean(dev_time))
+    if plan.pp == 1:
+        bubble = 0.0
+    elif sched == "interleaved":
+        bubble = (plan.pp - 1) / plan.vpp * t_mean
+    elif sched == "dualpipe":
+        bubble = (plan.pp / 2 - 1) * (2 / 3) * t_mean
+    else:
+        bubble = (plan.pp - 1) * t_mean
+
+    # memory per pipeline rank
+    opt_shard = {"fp32": 12.0, "bf16-moments": 8.0, "bf16": 6.0}[plan.optimizer]
+    mems: list[MemoryBreakdown] = []
+    for d, sts in enumerate(dev_stages):
+        pd = sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx])
+        pe = sum(costs[k].params_expert for s_idx in sts for k in stages[s_idx])
+        flight = _in_flight(plan, d)
+        act = sum(cnt * sum(costs[k].act_bytes for k in stages[s_idx]) for cnt, s_idx in zip(flight, sts))
+        mems.append(MemoryBreakdown(
+            weights=(pd + pe) * 2 / GIB, fp8_weights=(pd + pe) * (2.0 if c.fp8 else 0.0) / GIB,
+            gradients=(pd + pe) * c.grad_bytes / GIB,
+            optimizer=(pd / (plan.dp * plan.cp) + pe / plan.edp) * opt_shard / GIB,
+            activations=act / GIB, reserved=RESERVED_GIB, device=d))
+    mem = max(mems, key=lambda mb: mb.total)
+
+    # data-parallel gradient reduce-scatter + parameter all-gather (hierarchical: NVLink inside, NIC across)
+    mslow = mems[slow]
+    pd_slow = sum(costs[k].params_dense for s_idx in dev_stages[slow] for k in stages[s_idx])
+    pe_slow = sum(costs[k].params_expert for s_idx in dev_stages[slow] for k in stages[s_idx])
+
+    def dp_time(params: float, group: int, stride: int, bytes_per: float) -> float:
+        if group <= 1 or params <= 0:
+            return 0.0
+        local = _members_per_domain(group, stride, c.domain)
+        inter = group // local
+        t = 0.0
+        if local > 1:
+            t += params * bytes_per * (local - 1) / local / c.nvl
+        if inter > 1:
+            t += params * bytes_per / local * (inter - 1) / inter / c.nic
+        return t
+
+    g_dense, g_exp = plan.dp * plan.cp, plan.edp
+    rs = (dp_time(pd_slow, g_dense, plan.tp, c.grad_bytes) + dp_time(pe_slow, g_exp, plan.ep, c.grad_bytes))
+    ag = (dp_time(pd_slow, g_dense, plan.tp, 2.0) + dp_time(pe_slow, g_exp, plan.ep, 2.0))
+    if plan.dp_overlap:
+        last = 1.0 / (4 * (plan.vpp if sched == "interleaved" else 1))
+        dp_exposed = (max(rs - (2 / 3) * t_max - bubble / 2, rs * last)
+                      + max(ag - (1 / 3) * t_max - bubble / 2, ag * last))
+    else:
+        dp_exposed = rs + ag
+    # optimizer step: memory-bound update of the local shard, FP8 re-cast of all local weights
+    opt_bytes = {"fp32": 30.0, "bf16-moments": 22.0, "bf16": 18.0}[plan.optimizer]
+    shard = pd_slow / (plan.dp * plan.cp) + pe_slow / plan.edp
+    local = pd_slow + pe_slow
+    t_opt = (shard * opt_bytes + local * (c.grad_bytes + (4.0 if c.fp8 else 0.0))) / c.hbm
+
+    parts = dev_parts[slow]
+    step = StepBreakdown(compute=m * parts["compute"], exposed_a2a=m * parts["a2a"],
+                         other_comm=m * parts["comm"] + dp_exposed, bubble=bubble + m * (t_max - sum(parts.values())),
+                         optimizer=t_opt)
+    fpt = shape.flops_per_token(plan.seq_len)
+    limit = spec.hbm_gb
+    stage_desc = ["".join(st) for st in stages]
+    details = {
+        "stages": stage_desc,
+        "device_time_per_microbatch_s": dev_time,
+        "slowest_device": slow,
+        "microbatches": m,
+        "tokens_per_gpu_per_microbatch": c.n,
+        "item_cost_s": {k: {"compute": v.compute_s, "a2a": v.a2a_s, "tp": v.tp_s, "cp": v.cp_s,
+                            "gemm": v.gemm_s, "grouped": v.grouped_s, "attention": v.attn_s, "head": v.head_s,
+                            "memory_bound": v.mem_s, "recompute": v.recompute_s, "overhead": v.overhead_s,
+                            "activation_gib_per_mb": v.act_bytes / GIB}
+                        for k, v in costs.items()},
+        "routing": asdict(c.rstats),
+        "ep_overlap_unpaired_fraction": u if overlap else None,
+        "dp_reduce_scatter_s": rs, "dp_all_gather_s": ag,
+        "pp_p2p_per_microbatch_s": p2p_t, "memory_per_device_gib": [mb.total for mb in mems],
+        "efficiency": eff.to_dict(),
+    }
+    pred = Prediction(model=shape.name, gpu=spec.name, n_gpus=n_gpus, plan=plan, fits=mem.total <= limit,
+                      memory=mem, memory_limit_gib=limit, flops_per_token=fpt, details=details)
+    if not pred.fits:
+        pred.message = (f"does not fit: pipeline rank {mem.device} needs {mem.total:.1f} GiB > {limit:g} GiB of "
+                        f"{spec.name} (weights {mem.weights + mem.fp8_weights:.1f}, gradients {mem.gradients:.1f}, "
+                        f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, reserved "
+                        f"{mem.reserved:.1f}); try activation recompute, a smaller micro-batch, or more PP/EP")
+        return pred
+    pred.step = step
+    tok_s = plan.tokens_per_step / (step.step * n_gpus)
+    pred.tokens_per_s_per_gpu = tok_s
+    pred.tflops_per_gpu = tok_s * fpt / 1e12
+    pred.mfu = pred.tflops_per_gpu * 1e12 / c._peak(plan.precision)
+    pred.mfu_bf16 = pred.tflops_per_gpu * 1e12 / c._peak("bf16")
+    if mem.total > 0.95 * limit:
+        pred.message = f"fits with little headroom ({mem.total:.1f} of {limit:g} GiB)"
+    del mslow
+    return pred

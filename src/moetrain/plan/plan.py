@@ -1,0 +1,406 @@
+"""A training plan (parallel layout, batch, precision, overlap, routing) and its validation.
+
+Megatron conventions (the published plans of REFERENCE.md section 4 are Megatron plans):
+
+* Dense layers: ``world = TP * CP * DP * PP`` (PP outermost: a pipeline stage is ``TP*CP*DP`` consecutive ranks).
+* MoE layers re-partition the same ``TP * CP * DP`` ranks of a stage as ``ETP * EP * EDP`` with ETP = 1 here:
+  EP is carved out of the data-parallel ranks, EP consecutive ranks form an expert-parallel group, and
+  ``EDP = TP*CP*DP / EP`` replicas of each expert are kept in sync by the data-parallel gradient reduction.
+  The published TP1/PP2/EP32 plan on 256 GPUs therefore has DP = 128 and EDP = 4.
+* Sequence parallelism is on whenever TP > 1 (Megatron requires it for MoE).
+* ``micro_batch`` is in sequences; ``global_batch`` in sequences; micro-batches per step per pipeline
+  ``m = global_batch / (DP * micro_batch)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from moetrain.plan.constants import REAL_ROUTING_IMBALANCE
+from moetrain.plan.hardware import GPUSpec
+from moetrain.plan.shape import ModelShape
+
+PRECISIONS = ("bf16", "fp8", "mxfp8")
+ATTN_PRECISIONS = ("bf16", "fp8")
+DISPATCH_PRECISIONS = ("bf16", "fp8")
+RECOMPUTE = ("none", "selective", "full")
+#: Modules a selective recompute can cover: "norm" (RMSNorms), "mla_up_proj" (MLA up-projections + RoPE, and the
+#: q/k/v built from them), "moe_act" (expert SwiGLU: its input is kept -- in FP8 under FP8 -- and its output
+#: recomputed, as DeepSeek-V3 and Megatron's ``moe_act`` + ``activation_func_fp8_input_store``).
+RECOMPUTE_MODULES = ("norm", "mla_up_proj", "moe_act")
+DEFAULT_SELECTIVE = ("norm", "mla_up_proj")
+ROUTING = ("balanced", "real")
+SCHEDULES = ("1f1b", "interleaved", "dualpipe")
+OPTIMIZERS = ("fp32", "bf16-moments", "bf16")
+
+
+class PlanError(ValueError):
+    """The plan cannot run on this model and cluster; the message says which value is wrong and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training run is laid out.
+
+    Attributes:
+        tp, pp, vpp, ep, cp: tensor, pipeline, virtual-pipeline (model chunks per pipeline rank), expert and
+            context parallel sizes. dp: data parallel size; None = derived from the GPU count.
+        micro_batch, global_batch: sequences per micro-batch and per optimizer step. seq_len: tokens per sequence.
+        precision: GEMM precision "bf16", "fp8" (Hopper-style block or tensor scaling) or "mxfp8" (Blackwell).
+            The output head stays BF16 and the router FP32 in every precision, as in Megatron and DeepSeek-V3.
+        attn_precision: precision of the fused attention kernel ("bf16", or "fp8" = FP8 dot-product attention).
+        dispatch_precision: "fp8" sends the dispatched tokens (and, in the backward, the gradients sent to the
+            experts) in FP8, as DeepSeek-V3; combine is BF16 always.
+        recompute: "none"; "selective" = the modules of ``recompute_modules`` recomputed in the backward (default:
+            norms and MLA up-projections, as DeepSeek-V3 and Megatron ``mla_up_proj``); "full" = each layer
+            recomputed from its input (all-to-alls included).
+        recompute_modules: for "selective": a subset of RECOMPUTE_MODULES (None = DEFAULT_SELECTIVE).
+        ep_overlap: hide the expert all-to-all behind the compute of another micro-batch (Megatron
+            ``moe_a2a_overlap`` / DeepSeek's F&B chunk pairs). Always on with the DualPipe schedule.
+        routing: "balanced" (forced perfect balance, as the benchmark records) or "real" (learned routing).
+        imbalance: max/mean tokens per EP rank for real routing (None = constants.REAL_ROUTING_IMBALANCE).
+        node_limit_m: node-limited routing: each token goes to experts on at most M NVLink domains (DeepSeek-V3:
+            4 nodes). None = derived from group-limited routing when groups align with domains, else no limit.
+        schedule: "1f1b", "interleaved" (needs vpp > 1) or "dualpipe" (vpp must be 1). None = interleaved when
+            vpp > 1 else 1f1b.
+        pp_layout: Megatron ``pipeline_model_parallel_layout`` ("Et*4|(t*4|)*14tmL": E embedding, t layer,
+            m MTP module, L output head + loss, | stage boundary). None = balanced automatically.
+        optimizer: state precision: "fp32" (fp32 grads, master, moments), "bf16-moments" (DeepSeek-V3: fp32 grads
+            and master, bf16 moments), "bf16" (Megatron precision-aware: bf16 grads and moments, 16-bit master
+            remainder). Optimizer states are sharded over data-parallel ranks (distributed optimizer / ZeRO-1).
+        dp_overlap: overlap the data-parallel gradient reduce-scatter / parameter all-gather with compute.
+        name: label for reports.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep: int = 1
+    cp: int = 1
+    dp: int | None = None
+    micro_batch: int = 1
+    global_batch: int = 1024
+    seq_len: int = 4096
+    precision: str = "bf16"
+    attn_precision: str = "bf16"
+    dispatch_precision: str = "bf16"
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] | None = None
+    ep_overlap: bool = False
+    routing: str = "balanced"
+    imbalance: float | None = None
+    node_limit_m: int | None = None
+    schedule: str | None = None
+    pp_layout: str | None = None
+    optimizer: str = "bf16-moments"
+    dp_overlap: bool = True
+    name: str = ""
+
+    # ---- derived ---------------------------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * (self.dp or 1)
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage (TP*CP*DP)."""
+        return self.tp * self.cp * (self.dp or 1)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: replicas of each expert."""
+        return self.stage_size // self.ep
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.global_batch // ((self.dp or 1) * self.micro_batch)
+
+    @property
+    def resolved_schedule(self) -> str:
+        return self.schedule or ("interleaved" if self.vpp > 1 else "1f1b")
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        """Modules recomputed under selective recompute (empty for "none"; everything for "full")."""
+        if self.recompute == "none":
+            return frozenset()
+        if self.recompute == "full":
+            return frozenset(RECOMPUTE_MODULES)
+        return frozenset(self.recompute_modules if self.recompute_modules is not None else DEFAULT_SELECTIVE)
+
+    @property
+    def load_imbalance(self) -> float:
+        if self.routing == "balanced":
+            return 1.0
+        return float(self.imbalance) if self.imbalance is not None else REAL_ROUTING_IMBALANCE
+
+    @property
+    def overlapped(self) -> bool:
+        return self.ep_overlap or self.resolved_schedule == "dualpipe"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def replace(self, **changes: Any) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schedule"] = self.resolved_schedule
+        d["edp"] = self.edp if self.dp else None
+        d["n_microbatches"] = self.n_microbatches if self.dp else None
+        return d
+
+    def short(self) -> str:
+        """One-line description: TP/PP/VPP/EP/CP/DP, batch, precision, recompute, overlap."""
+        s = (f"TP{self.tp}/PP{self.pp}/VPP{self.vpp}/EP{self.ep}/CP{self.cp}/DP{self.dp} mbs{self.micro_batch} "
+             f"gbs{self.global_batch} {self.precision}")
+        if self.attn_precision != "bf16":
+            s += f" attn-{self.attn_precision}"
+        if self.dispatch_precision != "bf16":
+            s += f" dispatch-{self.dispatch_precision}"
+        s += f" recompute-{self.recompute}"
+        if self.recompute == "selective" and self.recompute_modules is not None:
+            s += "(" + "+".join(self.recompute_modules) + ")"
+        s += f" {self.resolved_schedule}"
+        s += " ep-overlap" if self.overlapped else ""
+        s += f" routing-{self.routing}" + (f"x{self.load_imbalance:g}" if self.routing == "real" else "")
+        if self.node_limit_m:
+            s += f" M{self.node_limit_m}"
+        return s
+
+
+# ---- pipeline layout -------------------------------------------------------------------------------------------
+
+def _expand(s: str) -> str:
+    """Expand Megatron layout repetitions: ``(t*4|)*2`` -> ``t*4|t*4|`` -> ``tttt|tttt|``."""
+    out: list[str] = []
+    i = 0
+
+    def read_count(j: int) -> tuple[int, int]:
+        m = re.match(r"\*(\d+)", s[j:])
+        if not m:
+            return 1, j
+        return int(m.group(1)), j + m.end()
+
+    while i < len(s):
+        c = s[i]
+        if c == "(":
+            depth, j = 1, i + 1
+            while j < len(s) and depth:
+                depth += {"(": 1, ")": -1}.get(s[j], 0)
+                j += 1
+            if depth:
+                raise PlanError(f"pp_layout {s!r}: unbalanced parentheses")
+            inner = _expand(s[i + 1:j - 1])
+            n, i = read_count(j)
+            out.append(inner * n)
+        elif c in "EtmL|":
+            n, i = read_count(i + 1)
+            out.append(c * n)
+        elif c.isspace() or c == ",":
+            i += 1
+        else:
+            raise PlanError(f"pp_layout {s!r}: unexpected character {c!r}; allowed: E t m L | ( ) *N")
+    return "".join(out)
+
+
+def parse_layout(layout: str) -> list[str]:
+    """Split a Megatron pipeline layout into per-virtual-stage item strings (e.g. ``["Etttt", "tttt", ...]``)."""
+    stages = _expand(layout).split("|")
+    return stages
+
+
+def default_items(shape: ModelShape) -> list[str]:
+    """The item sequence of a model: E, its layers ("d" dense, "t" MoE), MTP modules "m", head "L"."""
+    return (["E"] + ["d"] * shape.n_dense_layers + ["t"] * shape.n_moe_layers + ["m"] * shape.mtp_depth + ["L"])
+
+
+def layout_items(layout: str, shape: ModelShape, n_stages: int) -> list[list[str]]:
+    """Per-stage item lists from a Megatron layout; "t" becomes "d" for the model's leading dense layers.
+
+    Raises:
+        PlanError: wrong stage count, wrong number of layers / MTP modules, E not first or L not last.
+    """
+    stages = parse_layout(layout)
+    if len(stages) != n_stages:
+        raise PlanError(f"pp_layout {layout!r} has {len(stages)} stages; PP*VPP = {n_stages} (DualPipe: PP)")
+    flat = "".join(stages)
+    if flat.count("t") != shape.n_layers:
+        raise PlanError(f"pp_layout {layout!r} places {flat.count('t')} layers; the model has {shape.n_layers}")
+    if flat.count("m") != shape.mtp_depth:
+        raise PlanError(f"pp_layout {layout!r} places {flat.count('m')} MTP modules; the model has {shape.mtp_depth}")
+    if flat.count("E") != 1 or not stages[0].startswith("E"):
+        raise PlanError(f"pp_layout {layout!r}: the embedding E must open the first stage, once")
+    if flat.count("L") != 1 or not stages[-1].endswith("L"):
+        raise PlanError(f"pp_layout {layout!r}: the head L must close the last stage, once")
+    out: list[list[str]] = []
+    seen = 0
+    for st in stages:
+        items = []
+        for c in st:
+            if c == "t":
+                items.append("d" if seen < shape.n_dense_layers else "t")
+                seen += 1
+            else:
+                items.append(c)
+        out.append(items)
+    return out
+
+
+def balanced_partition(costs: list[float], n_parts: int) -> list[tuple[int, int]]:
+    """Split ``costs`` into ``n_parts`` contiguous non-empty ranges minimising the largest sum (binary search on
+    the bound with a greedy fill, then splitting ranges until there are exactly ``n_parts``).
+    Returns [start, end) index pairs."""
+    n = len(costs)
+    if not 1 <= n_parts <= n:
+        raise PlanError(f"cannot split {n} pipeline items into {n_parts} stages")
+
+    def greedy(bound: float) -> list[tuple[int, int]] | None:
+        parts, start, acc = [], 0, 0.0
+        for i, c in enumerate(costs):
+            if c > bound:
+                return None
+            if acc + c > bound:
+                parts.append((start, i))
+                start, acc = i, 0.0
+            acc += c
+        parts.append((start, n))
+        return parts if len(parts) <= n_parts else None
+
+    lo, hi = max(costs), sum(costs)
+    best = greedy(hi)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        p = greedy(mid)
+        if p is not None:
+            best, hi = p, mid
+        else:
+            lo = mid
+    assert best is not None
+    while len(best) < n_parts:  # every stage needs an item: split the costliest multi-item range
+        idx = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(costs[best[i][0]:best[i][1]]))
+        a, b = best[idx]
+        acc, cut = 0.0, a + 1
+        half = sum(costs[a:b]) / 2
+        for j in range(a, b - 1):
+            acc += costs[j]
+            cut = j + 1
+            if acc >= half:
+                break
+        best[idx:idx + 1] = [(a, cut), (cut, b)]
+    return best
+
+
+# ---- validation ------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
+    """Check ``plan`` against the model and the cluster; return it with ``dp`` and ``schedule`` filled in.
+
+    Raises:
+        PlanError: the first problem found, with the allowed values. (Whether it fits in memory is decided by
+            the cost model, which reports a plan that does not fit as such.)
+    """
+    def pos_int(name: str, v: Any) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise PlanError(f"{name}={v!r} must be an integer >= 1")
+
+    pos_int("GPU count", n_gpus)
+    for f in ("tp", "pp", "vpp", "ep", "cp", "micro_batch", "global_batch", "seq_len"):
+        pos_int(f, getattr(plan, f))
+    if plan.dp is not None:
+        pos_int("dp", plan.dp)
+    choices = {"precision": PRECISIONS, "attn_precision": ATTN_PRECISIONS,
+               "dispatch_precision": DISPATCH_PRECISIONS, "recompute": RECOMPUTE, "routing": ROUTING,
+               "optimizer": OPTIMIZERS}
+    for f, allowed in choices.items():
+        if getattr(plan, f) not in allowed:
+            raise PlanError(f"{f}={getattr(plan, f)!r}; allowed: {list(allowed)}")
+    if plan.recompute_modules is not None:
+        bad = sorted(set(plan.recompute_modules) - set(RECOMPUTE_MODULES))
+        if bad or isinstance(plan.recompute_modules, str):
+            raise PlanError(f"recompute_modules={plan.recompute_modules!r}; allowed: a tuple of "
+                            f"{list(RECOMPUTE_MODULES)}")
+    if plan.schedule is not None and plan.schedule not in SCHEDULES:
+        raise PlanError(f"schedule={plan.schedule!r}; allowed: {list(SCHEDULES)}")
+
+    model_par = plan.tp * plan.pp * plan.cp
+    if plan.dp is None:
+        if n_gpus % model_par:
+            raise PlanError(f"TP*PP*CP = {plan.tp}*{plan.pp}*{plan.cp} = {model_par} does not divide the "
+                            f"{n_gpus} GPUs; choose sizes whose product divides {n_gpus}")
+        dp = n_gpus // model_par
+    else:
+        dp = plan.dp
+        if model_par * dp != n_gpus:
+            raise PlanError(f"TP*PP*CP*DP = {plan.tp}*{plan.pp}*{plan.cp}*{dp} = {model_par * dp} != {n_gpus} GPUs; "
+                            "the parallel sizes must multiply to the GPU count (or leave DP out to derive it)")
+    plan = plan.replace(dp=dp)
+
+    if shape.n_experts % plan.ep:
+        raise PlanError(f"EP={plan.ep} must divide the {shape.n_experts} routed experts; allowed EP: "
+                        f"{_divisors(shape.n_experts)}")
+    if plan.stage_size % plan.ep:
+        raise PlanError(f"EP={plan.ep} must divide TP*CP*DP = {plan.stage_size} (EP is carved out of the "
+                        f"data-parallel ranks of a pipeline stage); allowed EP: "
+                        f"{[d for d in _divisors(plan.stage_size) if shape.n_experts % d == 0]}")
+    if plan.global_batch % (dp * plan.micro_batch):
+        raise PlanError(f"global_batch={plan.global_batch} must be a multiple of DP*micro_batch = "
+                        f"{dp}*{plan.micro_batch} = {dp * plan.micro_batch}")
+    if shape.n_heads % plan.tp:
+        raise PlanError(f"TP={plan.tp} must divide the {shape.n_heads} attention heads; allowed: "
+                        f"{_divisors(shape.n_heads)}")
+    if shape.attention == "gqa" and shape.n_kv_heads % plan.tp and plan.tp % shape.n_kv_heads:
+        raise PlanError(f"TP={plan.tp} and the {shape.n_kv_heads} key/value heads must divide one another")
+    if plan.seq_len % (plan.tp * plan.cp):
+        raise PlanError(f"seq_len={plan.seq_len} must be a multiple of TP*CP = {plan.tp * plan.cp} (sequence "
+                        "parallelism splits the sequence over TP, context parallelism over CP)")
+    if plan.cp > 1 and plan.seq_len % (2 * plan.cp):
+        raise PlanError(f"seq_len={plan.seq_len} must be a multiple of 2*CP = {2 * plan.cp} (load-balanced CP)")
+    if plan.imbalance is not None and not plan.imbalance >= 1.0:
+        raise PlanError(f"imbalance={plan.imbalance} must be >= 1 (max/mean tokens per EP rank)")
+    if plan.node_limit_m is not None:
+        pos_int("node_limit_m", plan.node_limit_m)
+    if plan.precision == "mxfp8" and gpu.generation != "blackwell":
+        raise PlanError(f"precision='mxfp8' needs a Blackwell GPU; {gpu.name} is {gpu.generation} (use 'fp8')")
+    for f in ("precision", "attn_precision"):
+        p = getattr(plan, f)
+        if p not in gpu.peak_tflops and not (p == "bf16" and "fp32" in gpu.peak_tflops):
+            raise PlanError(f"{f}={p!r}: {gpu.name} has no {p} rate (has {sorted(gpu.peak_tflops)})")
+
+    m = plan.n_microbatches
+    sched = plan.resolved_schedule
+    if sched == "interleaved":
+        if plan.vpp < 2 or plan.pp < 2:
+            raise PlanError(f"the interleaved schedule needs PP >= 2 and VPP >= 2 (got PP={plan.pp}, VPP={plan.vpp})")
+        if m % plan.pp:
+            raise PlanError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple "
+                            f"of PP={plan.pp}")
+    elif sched == "dualpipe":
+        if plan.vpp != 1:
+            raise PlanError("DualPipe holds two stages per rank by itself; set VPP=1")
+        if plan.pp < 2 or plan.pp % 2:
+            raise PlanError(f"DualPipe needs an even PP >= 2 (got {plan.pp})")
+        if m % 2 or m < 2 * plan.pp:
+            raise PlanError(f"DualPipe needs an even number of micro-batches >= 2*PP = {2 * plan.pp} (got {m})")
+    elif plan.vpp != 1:
+        raise PlanError(f"VPP={plan.vpp} needs the interleaved schedule (schedule={plan.schedule!r})")
+    n_stages = plan.pp * (plan.vpp if sched != "dualpipe" else 1)
+    n_items = len(default_items(shape))
+    if plan.pp_layout is not None:
+        layout_items(plan.pp_layout, shape, n_stages)
+    elif n_stages > n_items:
+        raise PlanError(f"PP*VPP = {n_stages} pipeline stages but the model has only {n_items} pipeline items "
+                        f"(embedding, {shape.n_layers} layers, {shape.mtp_depth} MTP, head)")
+    if plan.pp > 1 and m < plan.pp:
+        raise PlanError(f"{m} micro-batches per step cannot fill a pipeline of PP={plan.pp}; raise global_batch "
+                        "or lower DP/PP")
+    return plan.replace(schedule=sched)

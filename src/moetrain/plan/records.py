@@ -1,0 +1,77 @@
+"""The published DeepSeek-V3 training throughputs (REFERENCE.md section 4) with the plan each one ran.
+
+The parallel sizes, batch and precision are those of the table. The remaining plan fields (recompute, overlap,
+attention precision, pipeline layout) are taken from the public recipe of each run:
+
+* Megatron-Bridge runs: ``scripts/performance/configs/deepseek/deepseek_workload_base_configs.py`` (the MXFP8
+  configs of GB300 / GB200, the FP8-SC config of H100) and the dry-run dump of the H100 config
+  (``grad_reduce_in_fp32: false``, bf16 moments, ``moe_router_force_load_balancing: true``, group-limited routing
+  8 groups / 4 kept). GB300: no recompute, a2a overlap, FP8 dot-product attention, layout ``Et*4|(t*4|)*14tmL``.
+  GB200: ``mla_up_proj`` recompute, a2a overlap, BF16 attention. H100: ``mla_up_proj`` (+ dense ``mlp``)
+  recompute, no a2a overlap, layout ``Et|(tt|)*30mL``.
+* DeepSeek-V3 report (arXiv 2412.19437): DualPipe PP16, EP64 over 8 nodes, ZeRO-1 DP, no TP, FP8 GEMMs, FP8
+  dispatch / BF16 combine, RMSNorm + MLA up-projection recompute, node-limited routing (M = 4), learned routing
+  with auxiliary-loss-free balancing, fp32 master weights and gradients with bf16 moments; the batch ramps to
+  15,360 sequences (used here), 2,048 H800.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Record:
+    """One published throughput and the plan behind it."""
+
+    key: str
+    source: str
+    gpu: str
+    n_gpus: int
+    plan: Plan
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    tolerance: float
+    model: str = "deepseek-v3-671b"
+
+
+RECORDS: dict[str, Record] = {r.key: r for r in (
+    Record(
+        key="gb300", source="Megatron-Bridge 26.06", gpu="gb300", n_gpus=256,
+        plan=Plan(tp=1, pp=2, vpp=8, ep=32, micro_batch=1, global_batch=4096, seq_len=4096, precision="mxfp8",
+                  attn_precision="fp8", recompute="none", ep_overlap=True, routing="balanced",
+                  pp_layout="Et*4|(t*4|)*14tmL", optimizer="bf16", name="GB300 record"),
+        tokens_per_s_per_gpu=6338, tflops_per_gpu=1648, tolerance=0.05),
+    Record(
+        key="gb200", source="Megatron-Bridge 26.06", gpu="gb200", n_gpus=256,
+        plan=Plan(tp=1, pp=4, vpp=4, ep=64, micro_batch=1, global_batch=4096, seq_len=4096, precision="mxfp8",
+                  recompute="selective", ep_overlap=True, routing="balanced", optimizer="bf16",
+                  name="GB200 record"),
+        tokens_per_s_per_gpu=4969, tflops_per_gpu=1292, tolerance=0.10),
+    Record(
+        key="h100", source="Megatron-Bridge 25.09", gpu="h100", n_gpus=1024,
+        plan=Plan(tp=2, pp=8, vpp=4, ep=64, micro_batch=1, global_batch=8192, seq_len=4096, precision="fp8",
+                  recompute="selective", ep_overlap=False, routing="balanced", pp_layout="Et|(tt|)*30mL",
+                  optimizer="bf16", name="H100 record"),
+        tokens_per_s_per_gpu=1297, tflops_per_gpu=338, tolerance=0.10),
+    Record(
+        key="h800", source="DeepSeek-V3 report (derived)", gpu="h800", n_gpus=2048,
+        plan=Plan(tp=1, pp=16, vpp=1, ep=64, micro_batch=1, global_batch=15360, seq_len=4096, precision="fp8",
+                  dispatch_precision="fp8", recompute="selective", schedule="dualpipe", ep_overlap=True,
+                  routing="real", node_limit_m=4, optimizer="bf16-moments", name="DeepSeek-V3 H800"),
+        tokens_per_s_per_gpu=1543, tflops_per_gpu=400, tolerance=0.10),
+)}
+
+
+def get_record(key: str) -> Record:
+    """Look a published row up ("gb300", "gb200", "h100", "h800").
+
+    Raises:
+        KeyError: unknown key; the message lists the rows.
+    """
+    try:
+        return RECORDS[key.lower()]
+    except KeyError:
+        raise KeyError(f"unknown record {key!r}; known: {sorted(RECORDS)}") from None

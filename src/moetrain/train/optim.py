@@ -1,0 +1,50 @@
+"""AdamW with the DeepSeek-V3 recipe and learning-rate schedules (warm-up + cosine, warm-up-stable-decay)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                    eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW (DeepSeek-V3 report sec. 4.2: beta 0.9/0.95, weight decay 0.1). Vectors (norm weights) get no weight
+    decay, as in Megatron-Core. ``foreach=False`` because expert and non-expert parameters live on different device
+    meshes under expert parallelism and multi-tensor kernels cannot mix them."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+          schedule: Literal["cosine", "wsd", "constant"] = "cosine", decay_fraction: float = 0.2) -> float:
+    """Learning rate for optimizer step ``step`` (0-based).
+
+    Linear warm-up from lr/warmup to ``lr`` over ``warmup_steps``; then
+    "cosine": cosine decay to ``min_lr`` at ``total_steps``; "wsd": constant, then linear decay to ``min_lr`` over the
+    last ``decay_fraction`` of the steps (warm-up-stable-decay); "constant": stays at ``lr``.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return lr
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    if schedule == "wsd":
+        decay_start = 1.0 - decay_fraction
+        if progress <= decay_start:
+            return lr
+        return lr + (min_lr - lr) * (progress - decay_start) / max(decay_fraction, 1e-9)
+    raise ValueError(f"schedule={schedule!r}; allowed: 'cosine', 'wsd', 'constant'")
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr

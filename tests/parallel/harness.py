@@ -1,0 +1,65 @@
+"""Run a function on N gloo ranks on the CPU (spawned processes) and collect each rank's return value.
+
+The reference-vs-distributed pattern of OLMo-core: the same function runs once as a single process (no process
+group) and once per rank under gloo; the tests compare what comes back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        result: Any = ("ok", fn(*args))
+    except BaseException as e:  # noqa: BLE001 - shipped back to the test
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300) -> list[tuple[str, Any]]:
+    """Spawn ``world`` processes running ``fn(*args)`` with torchrun-style environment variables.
+
+    Returns one ("ok", value) or ("error", message) per rank. ``fn`` must be importable (module level).
+    """
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(_entry, args=(world, _free_port(), d, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        ctx.join(timeout=timeout)
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        out = []
+        for r in range(world):
+            path = os.path.join(d, f"rank{r}.pt")
+            out.append(torch.load(path, weights_only=False) if os.path.exists(path) else ("error", "no result"))
+        return out
+
+
+def run_single(fn: Callable, *args: Any) -> Any:
+    """Run ``fn`` in this process as a plain single process (no torchrun variables)."""
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    try:
+        return fn(*args)
+    finally:
+        os.environ.update(saved)
