@@ -67,8 +67,9 @@ class Pending:
                 raise name_collective_error(self.phase, e) from e
         t1 = time.perf_counter()
         if self.stats is not None:
-            # The completion callback can run after wait() returns; the work was certainly done by t1.
-            done = min(self.t_done[0], t1) if self.t_done else t1
+            # If the work finished before we started waiting, its duration is issue -> completion callback;
+            # otherwise it ended while we waited (t1 bounds it; the callback may run late). So exposed <= total.
+            done = self.t_done[0] if self.t_done and self.t_done[0] < t0 else t1
             self.stats.a2a_seconds += done - self.t_issue
             self.stats.exposed_seconds += t1 - t0
         self.work, self.waited = None, True

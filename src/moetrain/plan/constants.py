@@ -93,7 +93,10 @@ BLACKWELL = Efficiency(
     # MXFP8 on Blackwell: the block scales are consumed by the tensor cores (no CUDA-core promotion), so large
     # MXFP8 GEMMs reach ~0.70-0.78 of the FP8 peak in cuBLAS; quantisation kernels next to the GEMMs -> 0.70.
     gemm_fp8=0.70,
-    grouped_gemm=0.90,  # same reasoning as Hopper (CUTLASS/cuteDSL grouped GEMMs ~0.9 of dense)
+    # NVIDIA measured its MXFP8 grouped GEMM (multi-stream cuBLAS) for DeepSeek-V3's expert shapes (K = 7,168,
+    # N = 2,048) at 2,672 TFLOP/s on GB200 with L2 flushed ("Optimizing DeepSeek-V3 Training Performance on GB200
+    # NVL72", Megatron-LM docs): 0.53 of the 5 PFLOP/s FP8 peak = 0.76 of gemm_fp8.
+    grouped_gemm=0.76,
     # cuDNN / FlashAttention-4 on B200: forward ~1.6 of 2.25 PFLOP/s BF16 (0.7), backward ~0.45 -> 0.50 overall.
     attention=0.50,
     sfu=0.80,

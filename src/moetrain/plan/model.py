@@ -185,24 +185,29 @@ class ItemCost:
 class _Ctx:
     """Everything the per-item formulas need, computed once per prediction."""
 
-    def __init__(self, shape: ModelShape, gpu: GPUSpec, plan: Plan, eff: Efficiency):
+    def __init__(self, shape: ModelShape, gpu: GPUSpec, plan: Plan, eff: Efficiency,
+                 op_counts: dict[str, float] | None = None):
         self.shape, self.gpu, self.plan, self.eff = shape, gpu, plan, eff
+        self.op_counts = op_counts
         p = plan
         self.tok_mb = p.micro_batch * p.seq_len                    # tokens of one micro-batch (one DP replica)
         self.n = self.tok_mb / (p.tp * p.cp)                       # tokens per GPU (sequence + context parallel)
         self.fb = shape.flops(p.seq_len)
         self.fp8 = p.precision in ("fp8", "mxfp8")
         self.gemm_peak = self._peak(p.precision) * eff.gemm(p.precision)
-        self.bf16_peak = self._peak("bf16") * eff.gemm("bf16")
-        self.attn_peak = self._peak(p.attn_precision) * eff.attention
+        head_prec = "fp32" if p.precision == "fp32" else "bf16"
+        self.bf16_peak = self._peak(head_prec) * eff.gemm(head_prec)
+        self.attn_precision = "fp32" if p.precision == "fp32" else p.attn_precision
+        self.attn_peak = self._peak(self.attn_precision) * eff.attention
+        self.param_bytes = 4.0 if p.precision == "fp32" else 2.0
         self.fp32_peak = self._peak("fp32") * eff.gemm("fp32")
         self.hbm = gpu.hbm_tbps * 1e12 * eff.hbm
         self.nvl = gpu.nvlink_gbps * 1e9 * eff.nvlink
         self.nic = gpu.nic_gbps * 1e9 * eff.nic
-        self.w_bytes = 1.0 if self.fp8 else 2.0                    # weight bytes a GEMM streams
+        self.w_bytes = 1.0 if self.fp8 else self.param_bytes       # weight bytes a GEMM streams
         self.grad_bytes = 2.0 if p.optimizer == "bf16" else 4.0
-        self.act_q = 1.0 if self.fp8 else 2.0                      # saved GEMM inputs (FP8 copies under FP8)
-        self.attn_q = 1.0 if p.attn_precision == "fp8" else 2.0
+        self.act_q = 1.0 if self.fp8 else self.param_bytes          # saved GEMM inputs (FP8 copies under FP8)
+        self.attn_q = 1.0 if self.attn_precision == "fp8" else self.param_bytes
         self.imb = p.load_imbalance
         self.e_loc = shape.n_experts // p.ep
         self.domain = gpu.nvlink_domain
@@ -251,8 +256,8 @@ class _Ctx:
         if flops <= 0:
             return 0.0, 0.0
         fp8 = self.fp8 if fp8 is None else fp8
-        qx = 1.0 if fp8 else 2.0
-        w = 1.0 if fp8 else 2.0
+        qx = 1.0 if fp8 else self.param_bytes
+        w = 1.0 if fp8 else self.param_bytes
         m0, k0, n0, _ = max(shapes, key=lambda t: t[0] * t[1] * t[2] * t[3])
         rate = self._curve_rate(m0, k0, n0) or peak
         if grouped:
@@ -329,7 +334,9 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         up += [(T, s.q_lora, s.q_width / tp, 1)] if s.q_lora else []
         tu, _ = c.gemm_time(s.upproj_flops_per_token() * n * 3, up, c.gemm_peak)
         cost.recompute_s += tu / 3 + n * (4 * s.q_width + 2 * s.n_heads * (nope + s.v_head_dim)) / c.hbm
-    cost.act_bytes += n * (2 * h + normed + latents + a * s.o_width + 4 * s.n_heads + q * s.o_width + upproj + qkv)
+    # the attention output is saved once (the attention kernel and the output projection share it, as in
+    # DeepSeek-V3's E5M6 cache and Megatron's "save the original input" FP8 recompute)
+    cost.act_bytes += n * (2 * h + normed + latents + a * s.o_width + 4 * s.n_heads + upproj + qkv)
     # tensor parallel (sequence parallel): all-gather before the projections, reduce-scatter after, fwd + bwd
     if tp > 1:
         by = (tp - 1) / tp * T * h * 2
@@ -407,7 +414,8 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     if p.recompute == "full":
         passes += [d_b, 2.0]
     if p.ep > 1:
-        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes)
+        # + one metadata exchange (tokens per expert) before each forward dispatch
+        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * (2 if p.recompute == "full" else 1)
 
 
 def _head_item(c: _Ctx, cost: ItemCost, n_heads_out: int = 1) -> None:
@@ -432,6 +440,8 @@ def _ops_overhead(c: _Ctx, kind: str) -> float:
     or CUDA graphs). Operator counts of one forward; the backward launches about twice as many."""
     if not c.op_over:
         return 0.0
+    if c.op_counts is not None:
+        return c.op_counts.get(kind, 0.0) * c.op_over
     per_fwd = {"d": 45, "t": 70 + 4 * c.e_loc, "m": 80 + 4 * c.e_loc, "L": 10, "E": 3}[kind]
     return 3 * per_fwd * c.op_over
 
@@ -507,12 +517,13 @@ class StepBreakdown:
     other_comm: float
     bubble: float
     optimizer: float
+    compute_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def step(self) -> float:
         return self.compute + self.exposed_a2a + self.other_comm + self.bubble + self.optimizer
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["step"] = self.step
         return d
@@ -585,7 +596,9 @@ def _in_flight(plan: Plan, device: int) -> list[float]:
     m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
     sched = plan.resolved_schedule
     if sched == "dualpipe":
-        return [(pp + 1) / 2, (pp + 1) / 2]
+        # rank d holds stage d of one direction and stage PP-1-d of the other; like 1F1B, a stage at pipeline
+        # position s keeps PP-s micro-batches: (PP-d) + (d+1) = PP+1 in all (the DualPipe paper's figure)
+        return [float(min(m, pp - device)), float(min(m, device + 1))]
     if sched == "1f1b":
         return [float(min(m, pp - device))]
     warm = min(m * vpp, (pp - device - 1) * 2 + (vpp - 1) * pp + 1)
@@ -606,7 +619,8 @@ def _unpaired_fraction(plan: Plan) -> float:
     return min(1.0, pp / m)
 
 
-def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Prediction:
+def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_counts: dict[str, float] | None = None,
+            _ignore_memory: bool = False) -> Prediction:
     """Predict step time, throughput and memory of ``plan`` for ``model`` on ``n_gpus`` GPUs of type ``gpu``.
 
     Args:
@@ -614,6 +628,8 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
         gpu: a GPUSpec or catalogue name.
         n_gpus: GPU count.
         plan: the plan (validated here; DP is derived when None).
+        op_counts: operators per forward + backward of each item kind, for machines with a measured per-operator
+            overhead (:func:`moetrain.plan.local.count_ops`); None = a generic estimate.
 
     Returns:
         :class:`Prediction`; ``fits`` is False (and no throughput is given) when the plan needs more memory
@@ -627,7 +643,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = validate(plan, shape, spec, n_gpus)
     eff = efficiency_for(spec.generation)
-    c = _Ctx(shape, spec, plan, eff)
+    c = _Ctx(shape, spec, plan, eff, op_counts)
     sched = plan.resolved_schedule
     overlap = plan.overlapped and plan.ep > 1
     u = _unpaired_fraction(plan) if overlap else 1.0
@@ -652,10 +668,40 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
     p2p_t = 2 * (p2p_bytes / p2p_link + P2P_LATENCY_S) if plan.pp > 1 else 0.0
     p2p_exposed = sched == "1f1b"
 
+    def dp_time(params: float, group: int, stride: int, bytes_per: float) -> float:
+        """Reduce-scatter (or all-gather) of ``params`` over a data-parallel group whose members are ``stride``
+        ranks apart: a ring inside each NVLink domain, then across domains over the NIC."""
+        if group <= 1 or params <= 0:
+            return 0.0
+        local = _members_per_domain(group, stride, c.domain)
+        inter = group // local
+        t = 0.0
+        if local > 1:
+            t += params * bytes_per * (local - 1) / local / c.nvl
+        if inter > 1:
+            t += params * bytes_per / local * (inter - 1) / inter / c.nic
+        return t
+
+    g_dense, g_exp = plan.dp * plan.cp, plan.edp
+
+    def dev_params(sts: list[int]) -> tuple[float, float]:
+        return (sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx]),
+                sum(costs[k].params_expert for s_idx in sts for k in stages[s_idx]))
+
     dev_time, dev_parts = [], []
     for d, sts in enumerate(dev_stages):
         parts = {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
         t_total = 0.0
+        if plan.fsdp:
+            # FSDP: every micro-batch all-gathers the rank's parameters in its forward and again in its backward;
+            # exposed on CPUs (gloo shares the cores), else hidden behind compute except the first layer's
+            pdd, ped = dev_params(sts)
+            t_ag = 2 * (dp_time(pdd, g_dense, plan.tp, c.param_bytes) + dp_time(ped, g_exp, plan.ep, c.param_bytes))
+            n_it = sum(len(stages[s_idx]) for s_idx in sts)
+            dev_c = sum(costs[k].compute_s for s_idx in sts for k in stages[s_idx])
+            t_ag = t_ag if spec.generation == "cpu" else max(t_ag / max(1, n_it), t_ag - dev_c)
+            parts["comm"] += t_ag
+            t_total += t_ag
         for s_idx in sts:
             for k in stages[s_idx]:
                 t, a = item_time(k)
@@ -686,15 +732,22 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
 
     # memory per pipeline rank
     opt_shard = {"fp32": 12.0, "bf16-moments": 8.0, "bf16": 6.0}[plan.optimizer]
+    # FP8 working copies of the weights: MXFP8 needs a row-wise and a column-wise (transposed) copy, each with its
+    # own 1x32 scales; 128x128 block-scaled FP8 weights are transpose-symmetric, one copy serves both GEMMs
+    fp8_copy = {"mxfp8": 2.0, "fp8": 1.0}.get(plan.precision, 0.0)
     mems: list[MemoryBreakdown] = []
     for d, sts in enumerate(dev_stages):
         pd = sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx])
         pe = sum(costs[k].params_expert for s_idx in sts for k in stages[s_idx])
         flight = _in_flight(plan, d)
         act = sum(cnt * sum(costs[k].act_bytes for k in stages[s_idx]) for cnt, s_idx in zip(flight, sts))
+        shard_w = 1.0
+        if plan.fsdp:  # weights and gradients sharded too (+ one gathered block at a time, in the reserve)
+            shard_w = (pd / (plan.dp * plan.cp) + pe / plan.edp) / max(pd + pe, 1.0)
         mems.append(MemoryBreakdown(
-            weights=(pd + pe) * 2 / GIB, fp8_weights=(pd + pe) * (2.0 if c.fp8 else 0.0) / GIB,
-            gradients=(pd + pe) * c.grad_bytes / GIB,
+            weights=(pd + pe) * shard_w * (0.0 if plan.fp8_param else c.param_bytes) / GIB,
+            fp8_weights=(pd + pe) * fp8_copy / GIB,
+            gradients=(pd + pe) * shard_w * c.grad_bytes / GIB,
             optimizer=(pd / (plan.dp * plan.cp) + pe / plan.edp) * opt_shard / GIB,
             activations=act / GIB, reserved=RESERVED_GIB, device=d))
     mem = max(mems, key=lambda mb: mb.total)
@@ -704,22 +757,12 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
     pd_slow = sum(costs[k].params_dense for s_idx in dev_stages[slow] for k in stages[s_idx])
     pe_slow = sum(costs[k].params_expert for s_idx in dev_stages[slow] for k in stages[s_idx])
 
-    def dp_time(params: float, group: int, stride: int, bytes_per: float) -> float:
-        if group <= 1 or params <= 0:
-            return 0.0
-        local = _members_per_domain(group, stride, c.domain)
-        inter = group // local
-        t = 0.0
-        if local > 1:
-            t += params * bytes_per * (local - 1) / local / c.nvl
-        if inter > 1:
-            t += params * bytes_per / local * (inter - 1) / inter / c.nic
-        return t
-
-    g_dense, g_exp = plan.dp * plan.cp, plan.edp
     rs = (dp_time(pd_slow, g_dense, plan.tp, c.grad_bytes) + dp_time(pe_slow, g_exp, plan.ep, c.grad_bytes))
-    ag = (dp_time(pd_slow, g_dense, plan.tp, 2.0) + dp_time(pe_slow, g_exp, plan.ep, 2.0))
-    if plan.dp_overlap:
+    ag = 0.0 if plan.fsdp else (dp_time(pd_slow, g_dense, plan.tp, c.param_bytes)
+                                + dp_time(pe_slow, g_exp, plan.ep, c.param_bytes))
+    if spec.generation == "cpu":
+        dp_exposed = rs + ag  # gloo collectives run on the same cores as the compute
+    elif plan.dp_overlap:
         last = 1.0 / (4 * (plan.vpp if sched == "interleaved" else 1))
         dp_exposed = (max(rs - (2 / 3) * t_max - bubble / 2, rs * last)
                       + max(ag - (1 / 3) * t_max - bubble / 2, ag * last))
@@ -732,9 +775,21 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
     t_opt = (shard * opt_bytes + local * (c.grad_bytes + (4.0 if c.fp8 else 0.0))) / c.hbm
 
     parts = dev_parts[slow]
-    step = StepBreakdown(compute=m * parts["compute"], exposed_a2a=m * parts["a2a"],
+    # split the compute of the slowest rank by kernel class (the overlap slowdown spread pro rata)
+    sub = {"dense GEMM": 0.0, "expert GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "recompute": 0.0}
+    for s_idx in dev_stages[slow]:
+        for k in stages[s_idx]:
+            ck = costs[k]
+            sub["dense GEMM"] += ck.gemm_s + ck.head_s
+            sub["expert GEMM"] += ck.grouped_s
+            sub["attention"] += ck.attn_s
+            sub["memory-bound"] += ck.mem_s
+            sub["recompute"] += ck.recompute_s + ck.overhead_s
+    tot = sum(sub.values()) or 1.0
+    compute = m * parts["compute"]
+    step = StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
                          other_comm=m * parts["comm"] + dp_exposed, bubble=bubble + m * (t_max - sum(parts.values())),
-                         optimizer=t_opt)
+                         optimizer=t_opt, compute_parts={k: compute * v / tot for k, v in sub.items()})
     fpt = shape.flops_per_token(plan.seq_len)
     limit = spec.hbm_gb
     stage_desc = ["".join(st) for st in stages]
@@ -757,7 +812,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan) -> Predicti
     }
     pred = Prediction(model=shape.name, gpu=spec.name, n_gpus=n_gpus, plan=plan, fits=mem.total <= limit,
                       memory=mem, memory_limit_gib=limit, flops_per_token=fpt, details=details)
-    if not pred.fits:
+    if not pred.fits and not _ignore_memory:
         pred.message = (f"does not fit: pipeline rank {mem.device} needs {mem.total:.1f} GiB > {limit:g} GiB of "
                         f"{spec.name} (weights {mem.weights + mem.fp8_weights:.1f}, gradients {mem.gradients:.1f}, "
                         f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, reserved "

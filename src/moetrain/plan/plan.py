@@ -23,7 +23,7 @@ from moetrain.plan.constants import REAL_ROUTING_IMBALANCE
 from moetrain.plan.hardware import GPUSpec
 from moetrain.plan.shape import ModelShape
 
-PRECISIONS = ("bf16", "fp8", "mxfp8")
+PRECISIONS = ("bf16", "fp8", "mxfp8", "fp32")
 ATTN_PRECISIONS = ("bf16", "fp8")
 DISPATCH_PRECISIONS = ("bf16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
@@ -49,7 +49,8 @@ class Plan:
         tp, pp, vpp, ep, cp: tensor, pipeline, virtual-pipeline (model chunks per pipeline rank), expert and
             context parallel sizes. dp: data parallel size; None = derived from the GPU count.
         micro_batch, global_batch: sequences per micro-batch and per optimizer step. seq_len: tokens per sequence.
-        precision: GEMM precision "bf16", "fp8" (Hopper-style block or tensor scaling) or "mxfp8" (Blackwell).
+        precision: GEMM precision "bf16", "fp8" (Hopper-style block or tensor scaling), "mxfp8" (Blackwell) or
+            "fp32" (CPU runs).
             The output head stays BF16 and the router FP32 in every precision, as in Megatron and DeepSeek-V3.
         attn_precision: precision of the fused attention kernel ("bf16", or "fp8" = FP8 dot-product attention).
         dispatch_precision: "fp8" sends the dispatched tokens (and, in the backward, the gradients sent to the
@@ -71,6 +72,10 @@ class Plan:
         optimizer: state precision: "fp32" (fp32 grads, master, moments), "bf16-moments" (DeepSeek-V3: fp32 grads
             and master, bf16 moments), "bf16" (Megatron precision-aware: bf16 grads and moments, 16-bit master
             remainder). Optimizer states are sharded over data-parallel ranks (distributed optimizer / ZeRO-1).
+        fp8_param: FP8 primary weights (Megatron ``--fp8-param-gather``, DeepSeek-V3): no BF16 copy of the weights
+            is kept, only the FP8 working copy (the FP32 master stays in the sharded optimizer state).
+        fsdp: parameters sharded over the data-parallel ranks and all-gathered for every micro-batch's forward and
+            backward (FSDP2 / ZeRO-3, as ``moetrain train`` does); gradients reduce-scattered once per step.
         dp_overlap: overlap the data-parallel gradient reduce-scatter / parameter all-gather with compute.
         name: label for reports.
     """
@@ -96,6 +101,8 @@ class Plan:
     schedule: str | None = None
     pp_layout: str | None = None
     optimizer: str = "bf16-moments"
+    fp8_param: bool = False
+    fsdp: bool = False
     dp_overlap: bool = True
     name: str = ""
 
@@ -365,6 +372,8 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
                         "parallelism splits the sequence over TP, context parallelism over CP)")
     if plan.cp > 1 and plan.seq_len % (2 * plan.cp):
         raise PlanError(f"seq_len={plan.seq_len} must be a multiple of 2*CP = {2 * plan.cp} (load-balanced CP)")
+    if plan.fp8_param and plan.precision == "bf16":
+        raise PlanError("fp8_param (FP8 primary weights) needs precision 'fp8' or 'mxfp8'")
     if plan.imbalance is not None and not plan.imbalance >= 1.0:
         raise PlanError(f"imbalance={plan.imbalance} must be >= 1 (max/mean tokens per EP rank)")
     if plan.node_limit_m is not None:

@@ -7,11 +7,14 @@ attention precision, pipeline layout) are taken from the public recipe of each r
   configs of GB300 / GB200, the FP8-SC config of H100) and the dry-run dump of the H100 config
   (``grad_reduce_in_fp32: false``, bf16 moments, ``moe_router_force_load_balancing: true``, group-limited routing
   8 groups / 4 kept). GB300: no recompute, a2a overlap, FP8 dot-product attention, layout ``Et*4|(t*4|)*14tmL``.
-  GB200: ``mla_up_proj`` recompute, a2a overlap, BF16 attention. H100: ``mla_up_proj`` (+ dense ``mlp``)
+  GB200: ``mla_up_proj`` recompute, a2a overlap, BF16 attention, the same layout (Megatron-Bridge's default
+  for PP4/VPP4). H100: ``mla_up_proj`` (+ dense ``mlp``)
   recompute, no a2a overlap, layout ``Et|(tt|)*30mL``.
 * DeepSeek-V3 report (arXiv 2412.19437): DualPipe PP16, EP64 over 8 nodes, ZeRO-1 DP, no TP, FP8 GEMMs, FP8
   dispatch / BF16 combine, RMSNorm + MLA up-projection recompute, node-limited routing (M = 4), learned routing
-  with auxiliary-loss-free balancing, fp32 master weights and gradients with bf16 moments; the batch ramps to
+  with auxiliary-loss-free balancing, fp32 master weights and gradients with bf16 moments, FP8 working weights
+  (no BF16 copy); the stage split is not published -- the Megatron one above (4 layers a stage, embedding with
+  the first, MTP and head with the last; DualPipe puts both on rank 0) is assumed; the batch ramps to
   15,360 sequences (used here), 2,048 H800.
 """
 
@@ -47,20 +50,23 @@ RECORDS: dict[str, Record] = {r.key: r for r in (
     Record(
         key="gb200", source="Megatron-Bridge 26.06", gpu="gb200", n_gpus=256,
         plan=Plan(tp=1, pp=4, vpp=4, ep=64, micro_batch=1, global_batch=4096, seq_len=4096, precision="mxfp8",
-                  recompute="selective", ep_overlap=True, routing="balanced", optimizer="bf16",
-                  name="GB200 record"),
+                  recompute="selective", recompute_modules=("mla_up_proj",), ep_overlap=True, routing="balanced",
+                  pp_layout="Et*4|(t*4|)*14tmL", optimizer="bf16", name="GB200 record"),
         tokens_per_s_per_gpu=4969, tflops_per_gpu=1292, tolerance=0.10),
     Record(
         key="h100", source="Megatron-Bridge 25.09", gpu="h100", n_gpus=1024,
         plan=Plan(tp=2, pp=8, vpp=4, ep=64, micro_batch=1, global_batch=8192, seq_len=4096, precision="fp8",
-                  recompute="selective", ep_overlap=False, routing="balanced", pp_layout="Et|(tt|)*30mL",
+                  recompute="selective", recompute_modules=("mla_up_proj",), ep_overlap=False, routing="balanced",
+                  pp_layout="Et|(tt|)*30mL",
                   optimizer="bf16", name="H100 record"),
         tokens_per_s_per_gpu=1297, tflops_per_gpu=338, tolerance=0.10),
     Record(
         key="h800", source="DeepSeek-V3 report (derived)", gpu="h800", n_gpus=2048,
         plan=Plan(tp=1, pp=16, vpp=1, ep=64, micro_batch=1, global_batch=15360, seq_len=4096, precision="fp8",
-                  dispatch_precision="fp8", recompute="selective", schedule="dualpipe", ep_overlap=True,
-                  routing="real", node_limit_m=4, optimizer="bf16-moments", name="DeepSeek-V3 H800"),
+                  dispatch_precision="fp8", recompute="selective",
+                  recompute_modules=("norm", "mla_up_proj", "moe_act"), schedule="dualpipe", ep_overlap=True,
+                  routing="real", node_limit_m=4, optimizer="bf16-moments", fp8_param=True,
+                  pp_layout="Et*4|(t*4|)*14tmL", name="DeepSeek-V3 H800"),
         tokens_per_s_per_gpu=1543, tflops_per_gpu=400, tolerance=0.10),
 )}
 

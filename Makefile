@@ -1,0 +1,34 @@
+# Quick start:   make train   (set up, then pre-train the tiny preset on the built-in corpus with EP=2)
+#                make test    (set up, then run the test suite)
+#
+# Setup installs into .venv. torch is pinned to 2.13.0 on purpose: on CPU-only machines (and CI) that is the CPU
+# wheel, while an unpinned `torch` pulls a multi-GB CUDA build. On a GPU machine use e.g. `make train TORCH=torch`.
+PY ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train test bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/moetrain train $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs

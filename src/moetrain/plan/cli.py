@@ -1,0 +1,270 @@
+"""Command line of ``moetrain plan`` and ``moetrain bench`` (also ``python -m moetrain.plan``).
+
+``add_plan_parser(subparsers)`` / ``add_bench_parser(subparsers)`` register the subcommands on the main
+``moetrain`` parser; :func:`main` runs them standalone.
+
+Exit codes: 0 success; 2 bad input (unknown GPU or model, invalid plan); 3 the plan does not fit in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file, with_overrides
+from moetrain.plan.model import Prediction, predict
+from moetrain.plan.plan import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, OPTIMIZERS, PRECISIONS, RECOMPUTE,
+                                RECOMPUTE_MODULES, ROUTING, SCHEDULES, Plan, PlanError)
+from moetrain.plan.records import RECORDS, Record, get_record
+from moetrain.plan.shape import ShapeError, load_shape
+
+#: plan fields settable from the command line: (flag, Plan field, type)
+_PLAN_FLAGS = (("tp", "tp", int), ("pp", "pp", int), ("vpp", "vpp", int), ("ep", "ep", int), ("cp", "cp", int),
+               ("dp", "dp", int), ("mbs", "micro_batch", int), ("gbs", "global_batch", int), ("seq", "seq_len", int),
+               ("precision", "precision", str), ("attn_precision", "attn_precision", str),
+               ("dispatch_precision", "dispatch_precision", str), ("recompute", "recompute", str),
+               ("routing", "routing", str), ("imbalance", "imbalance", float), ("node_limit", "node_limit_m", int),
+               ("schedule", "schedule", str), ("pp_layout", "pp_layout", str), ("optimizer", "optimizer", str))
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster")
+    g.add_argument("--model", help="preset (deepseek-v3-671b, deepseek-v2-lite-16b, small, tiny) or a HF "
+                   "config.json / directory (DeepSeek-V3/V2, or a GQA MoE such as Mixtral / Qwen-MoE); "
+                   "default deepseek-v3-671b")
+    g.add_argument("--gpu", help="GPU type: h100, h800, h200, b200, b300, gb200, gb300, a --gpu-file entry, or "
+                   "'local' (this machine, from `moetrain bench`); default gb300")
+    g.add_argument("--gpus", type=int, help="number of GPUs (default 256)")
+    g.add_argument("--gpu-file", action="append", default=[], help="TOML/JSON file of user GPU entries")
+    g.add_argument("--bench-file", help="bench results for --gpu local (default .cache/moetrain/bench.json)")
+    g.add_argument("--nic-gbit", type=float, help="what-if: override the NIC bandwidth per GPU (Gb/s)")
+    g.add_argument("--nvlink-domain", type=int, help="what-if: override the NVLink domain size")
+    g.add_argument("--record", choices=sorted(RECORDS), help="start from a published plan of REFERENCE.md "
+                   "section 4 (model, GPU, count and plan); other flags override it")
+    g = p.add_argument_group("plan")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--vpp", type=int, help="virtual pipeline stages (model chunks) per pipeline rank")
+    g.add_argument("--ep", type=int)
+    g.add_argument("--cp", type=int)
+    g.add_argument("--dp", type=int, help="data parallel size (default: derived from --gpus)")
+    g.add_argument("--mbs", type=int, help="micro-batch (sequences)")
+    g.add_argument("--gbs", type=int, help="global batch (sequences)")
+    g.add_argument("--seq", type=int, help="sequence length")
+    g.add_argument("--precision", choices=PRECISIONS)
+    g.add_argument("--attn-precision", choices=ATTN_PRECISIONS)
+    g.add_argument("--dispatch-precision", choices=DISPATCH_PRECISIONS)
+    g.add_argument("--recompute", choices=RECOMPUTE)
+    g.add_argument("--recompute-modules", help=f"comma list of {list(RECOMPUTE_MODULES)} (with --recompute "
+                   "selective)")
+    g.add_argument("--ep-overlap", dest="ep_overlap", action="store_true", default=None)
+    g.add_argument("--no-ep-overlap", dest="ep_overlap", action="store_false")
+    g.add_argument("--routing", choices=ROUTING)
+    g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
+    g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
+    g.add_argument("--schedule", choices=SCHEDULES)
+    g.add_argument("--pp-layout", help="Megatron pipeline layout, e.g. 'Et*4|(t*4|)*14tmL'")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer state precision")
+    g.add_argument("--fp8-param", dest="fp8_param", action="store_true", default=None,
+                   help="FP8 primary weights (no BF16 weight copy)")
+    g.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false", default=None)
+    g = p.add_argument_group("what to do")
+    g.add_argument("--records", action="store_true", help="predict every published row of REFERENCE.md section 4 "
+                   "and compare")
+    g.add_argument("--search", action="store_true", help="rank valid plans by predicted TFLOP/s per GPU")
+    g.add_argument("--top", type=int, default=10, help="plans shown by --search")
+    g.add_argument("--scale", help="GPU counts, e.g. 64,128,256 or 64-8192 (powers of two)")
+    g.add_argument("--scale-mode", choices=("search", "keep"), default="search",
+                   help="best plan at each count (search) or the given plan with more DP (keep)")
+    g.add_argument("--scale-batch", choices=("fixed", "per-gpu"), default="fixed",
+                   help="global batch fixed, or sequences per GPU fixed")
+    g.add_argument("--tokens", type=float, default=14.8e12, help="token budget for time-to-train (default 14.8T)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g.add_argument("--json-out", help="also write the JSON to this file")
+    g.add_argument("--png", help="write a chart (step breakdown; scaling curves with --scale)")
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on the main ``moetrain`` sub-parsers."""
+    p = subparsers.add_parser("plan", help="predict step time, TFLOP/s and memory of a training plan; --search, "
+                              "--scale, --records",
+                              description="Analytical performance model of MoE pre-training (docs/performance-model.md)")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the main ``moetrain`` sub-parsers."""
+    p = subparsers.add_parser("bench", help="measure this machine (matmul, memory, all-to-all) for `plan --gpu local`")
+    p.add_argument("--out", help="JSON path (default .cache/moetrain/bench.json)")
+    p.add_argument("--procs", type=int, default=2, help="local processes of the all-to-all test (default 2)")
+    p.add_argument("--threads", type=int, help="threads per process (default cores // procs)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
+    p.add_argument("--json", action="store_true", help="print the JSON")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+# ---- commands ---------------------------------------------------------------------------------------------------
+
+def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | None]:
+    for f in args.gpu_file:
+        load_gpu_file(f)
+    rec = get_record(args.record) if args.record else None
+    shape = load_shape(args.model or (rec.model if rec else "deepseek-v3-671b"))
+    gpu_name = args.gpu or (rec.gpu if rec else "gb300")
+    gpu = gpu_from_bench(args.bench_file) if gpu_name == "local" else get_gpu(gpu_name)
+    if args.nic_gbit is not None:
+        gpu = with_overrides(gpu, nic_gbps=args.nic_gbit / 8)
+    if args.nvlink_domain is not None:
+        gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
+    n = args.gpus or (rec.n_gpus if rec else 256)
+    plan = rec.plan if rec else Plan()
+    changes: dict[str, Any] = {}
+    for flag, field, _ in _PLAN_FLAGS:
+        v = getattr(args, flag, None)
+        if v is not None:
+            changes[field] = v
+    if args.recompute_modules:
+        changes["recompute_modules"] = tuple(x.strip() for x in args.recompute_modules.split(",") if x.strip())
+        changes.setdefault("recompute", "selective")
+    for f in ("ep_overlap", "fp8_param", "dp_overlap"):
+        if getattr(args, f, None) is not None:
+            changes[f] = getattr(args, f)
+    if rec and changes:
+        # a record's DP and layout belong to its own sizes: re-derive them when the sizes change
+        if any(k in changes for k in ("tp", "pp", "cp")) and "dp" not in changes:
+            changes["dp"] = None
+        if any(k in changes for k in ("pp", "vpp", "schedule")) and "pp_layout" not in changes:
+            changes["pp_layout"] = None
+    if rec and args.gpus and args.gpus != rec.n_gpus and "dp" not in changes:
+        changes["dp"] = None
+    if changes:
+        plan = plan.replace(**changes)
+    return shape, gpu, n, plan, (rec if rec and not changes and not args.gpus and not args.gpu else None)
+
+
+def _emit_json(obj: Any, args: argparse.Namespace) -> None:
+    from moetrain.plan.report import to_json
+
+    text = to_json(obj, args.json_out)
+    if args.json:
+        print(text)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from moetrain.plan import report
+
+    try:
+        if args.records:
+            return _cmd_records(args)
+        shape, gpu, n, plan, rec = _resolve(args)
+        if args.scale:
+            return _cmd_scale(args, shape, gpu, n, plan)
+        if args.search:
+            return _cmd_search(args, shape, gpu, n, plan)
+        pred = predict(shape, gpu, n, plan)
+    except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
+        print(f"moetrain plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json or args.json_out:
+        _emit_json(pred, args)
+    if not args.json:
+        report.print_prediction(pred, rec)
+    if args.png:
+        report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None)
+        if not args.json:
+            print(f"chart: {args.png}")
+    return 0 if pred.fits else 3
+
+
+def _cmd_records(args: argparse.Namespace) -> int:
+    from moetrain.plan import report
+
+    rows = [(r, predict(r.model, r.gpu, r.n_gpus, r.plan)) for r in RECORDS.values()]
+    if args.json or args.json_out:
+        _emit_json({"records": [{"key": r.key, "source": r.source, "gpu": r.gpu, "n_gpus": r.n_gpus,
+                                 "plan": r.plan.short(), "published_tflops_per_gpu": r.tflops_per_gpu,
+                                 "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
+                                 "error": (p.tflops_per_gpu / r.tflops_per_gpu - 1) if p.fits else None,
+                                 "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
+                                for r, p in rows]}, args)
+    if not args.json:
+        report._console().print(report.records_table(rows))
+    if args.png:
+        report.plot_breakdown([p for _, p in rows], args.png,
+                              labels=[f"{r.n_gpus} {r.gpu.upper()} ({r.source})" for r, _ in rows],
+                              published=[r.tflops_per_gpu for r, _ in rows])
+    return 0
+
+
+def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan) -> int:
+    from moetrain.plan import report
+    from moetrain.plan.search import search
+
+    res = search(shape, gpu, n, plan)
+    if args.json or args.json_out:
+        _emit_json(res, args)
+    if not args.json:
+        report.print_search(res, n=args.top)
+    if args.png and res.ranked:
+        preds = ([res.baseline] if res.baseline is not None else []) + res.ranked[: max(1, args.top)]
+        labels = (["baseline"] if res.baseline is not None else []) + [f"#{i}" for i in range(1, len(preds))]
+        report.plot_breakdown(preds, args.png, labels=labels)
+    return 0 if res.best is not None else 3
+
+
+def _cmd_scale(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan) -> int:
+    from moetrain.plan import report
+    from moetrain.plan.search import parse_counts, scale
+
+    counts = parse_counts(args.scale)
+    pts = scale(shape, gpu, counts, plan, mode=args.scale_mode, batch=args.scale_batch, base_gpus=n)
+    if args.json or args.json_out:
+        _emit_json({"model": shape.name, "gpu": gpu.name, "tokens": args.tokens,
+                    "points": [pt.to_dict(args.tokens) for pt in pts]}, args)
+    if not args.json:
+        report._console().print(report.scale_table(pts, args.tokens))
+    if args.png:
+        report.plot_scale(pts, args.png, args.tokens,
+                          title=f"{shape.name} on {gpu.name.upper()}: global batch {plan.global_batch} x "
+                                f"{plan.seq_len} ({args.scale_batch}), plan {args.scale_mode}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from moetrain.plan.bench import run_bench, summary
+
+    res = run_bench(args.out, procs=args.procs, quick=args.quick, threads=args.threads, verbose=not args.json)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(summary(res))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m moetrain.plan", description="moetrain plan / bench")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry: ``python -m moetrain.plan plan ...`` or ``python -m moetrain.plan bench``; a first
+    argument that is a flag means ``plan``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        argv = ["plan"] + argv
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _unused() -> None:  # pragma: no cover
+    del Path, Prediction

@@ -1,0 +1,271 @@
+"""Output of the performance model: tables (rich), JSON, and PNG charts (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from moetrain.plan.constants import all_constants
+from moetrain.plan.model import Prediction
+from moetrain.plan.records import Record
+from moetrain.plan.search import ScalePoint, SearchResult
+
+BREAKDOWN = (("compute", "compute"), ("exposed_a2a", "exposed all-to-all"), ("other_comm", "other communication"),
+             ("bubble", "pipeline bubble"), ("optimizer", "optimizer step"))
+COLORS = {"compute": "#4C72B0", "exposed_a2a": "#DD8452", "other_comm": "#55A868", "bubble": "#C44E52",
+          "optimizer": "#8172B3"}
+
+
+def _console(file: Any = None):
+    from rich.console import Console
+
+    return Console(file=file, width=120, highlight=False)
+
+
+def prediction_table(pred: Prediction, record: Record | None = None):
+    """A rich Table with the step breakdown, throughput and memory of one prediction."""
+    from rich.table import Table
+
+    t = Table(title=f"{pred.model} on {pred.n_gpus} x {pred.gpu.upper()}: {pred.plan.short()}", show_lines=False,
+              title_justify="left")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_column("note")
+    if not pred.fits:
+        t.add_row("fits in memory", "[bold red]NO[/]", pred.message)
+    elif pred.step is not None:
+        step = pred.step.step
+        for key, label in BREAKDOWN:
+            v = getattr(pred.step, key)
+            note = f"{v / step:6.1%}"
+            if key == "compute" and pred.step.compute_parts:
+                note += "  (" + ", ".join(f"{k} {x / step:.0%}" for k, x in pred.step.compute_parts.items()
+                                          if x > 0.0005 * step) + ")"
+            t.add_row(f"  {label}", f"{v:.3f} s", note)
+        t.add_row("step time", f"{step:.3f} s", f"{pred.plan.n_microbatches} micro-batches per pipeline")
+        t.add_row("tokens/s per GPU", f"{pred.tokens_per_s_per_gpu:,.0f}", "")
+        t.add_row("TFLOP/s per GPU", f"{pred.tflops_per_gpu:,.1f}",
+                  f"{pred.flops_per_token / 1e9:.1f} GFLOP/token (Megatron accounting)")
+        t.add_row("MFU", f"{pred.mfu:.1%}", f"of the {pred.plan.precision} peak ({pred.mfu_bf16:.1%} of BF16)")
+        if record is not None:
+            err = pred.tflops_per_gpu / record.tflops_per_gpu - 1
+            ok = abs(err) <= record.tolerance
+            t.add_row("published", f"{record.tflops_per_gpu:,.0f}",
+                      f"{record.source}: error {err:+.1%} ({'within' if ok else 'OUTSIDE'} "
+                      f"+-{record.tolerance:.0%})")
+    m = pred.memory
+    t.add_row("memory per GPU", f"{m.total:.1f} GiB",
+              f"of {pred.memory_limit_gib:g}: weights {m.weights:.1f} + FP8 copies {m.fp8_weights:.1f} + grads "
+              f"{m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations {m.activations:.1f} + reserved "
+              f"{m.reserved:.1f} (pipeline rank {m.device})")
+    if pred.fits and pred.message:
+        t.add_row("note", "", pred.message)
+    return t
+
+
+def print_prediction(pred: Prediction, record: Record | None = None, file: Any = None) -> None:
+    c = _console(file)
+    c.print(prediction_table(pred, record))
+    if pred.fits:
+        c.print("stages: " + " | ".join(pred.details.get("stages", [])))
+
+
+def records_table(rows: Sequence[tuple[Record, Prediction]]):
+    """Predicted vs published for the rows of REFERENCE.md section 4."""
+    from rich.table import Table
+
+    t = Table(title="Predicted vs published DeepSeek-V3 throughput (one set of constants)", title_justify="left")
+    for col, just in (("source", "left"), ("GPUs", "right"), ("plan", "left"), ("published TFLOP/s", "right"),
+                      ("predicted", "right"), ("error", "right"), ("tolerance", "right"), ("memory GiB", "right")):
+        t.add_column(col, justify=just)
+    for r, p in rows:
+        if p.fits:
+            err = p.tflops_per_gpu / r.tflops_per_gpu - 1
+            ok = abs(err) <= r.tolerance
+            t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", f"TP{r.plan.tp}/PP{r.plan.pp}/VPP{r.plan.vpp}/EP{r.plan.ep}",
+                      f"{r.tflops_per_gpu:,.0f}", f"{p.tflops_per_gpu:,.0f}",
+                      f"[{'green' if ok else 'red'}]{err:+.1%}[/]", f"+-{r.tolerance:.0%}",
+                      f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+        else:
+            t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", "", f"{r.tflops_per_gpu:,.0f}", "does not fit", "",
+                      f"+-{r.tolerance:.0%}", f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+    return t
+
+
+def search_table(res: SearchResult, n: int = 10):
+    from rich.table import Table
+
+    t = Table(title=f"Best plans (of {res.evaluated} predicted; {res.not_fitting} did not fit, {res.invalid} invalid)",
+              title_justify="left")
+    for col, just in (("#", "right"), ("plan", "left"), ("TFLOP/s/GPU", "right"), ("tok/s/GPU", "right"),
+                      ("memory GiB", "right")):
+        t.add_column(col, justify=just)
+    for i, p in enumerate(res.ranked[:n], 1):
+        t.add_row(str(i), p.plan.short(), f"{p.tflops_per_gpu:,.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",
+                  f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+    return t
+
+
+def print_search(res: SearchResult, file: Any = None, n: int = 10) -> None:
+    c = _console(file)
+    c.print(search_table(res, n))
+    if res.baseline is not None:
+        b = res.baseline
+        if b.fits:
+            c.print(f"baseline: {b.plan.short()} -> {b.tflops_per_gpu:,.1f} TFLOP/s/GPU")
+        else:
+            c.print(f"baseline: {b.plan.short()} -> does not fit ({b.message})")
+    elif res.baseline_error:
+        c.print(f"baseline plan is invalid: {res.baseline_error}")
+    if res.best is None:
+        c.print("[bold red]no plan fits[/]")
+        return
+    g = res.gain()
+    c.print(f"best:     {res.best.plan.short()} -> {res.best.tflops_per_gpu:,.1f} TFLOP/s/GPU"
+            + (f" ({g - 1:+.1%} vs baseline)" if g else ""))
+    ch = res.changes()
+    c.print("changed:  " + ("; ".join(ch) if ch else "nothing (the baseline is the best plan found)"))
+
+
+def scale_table(points: Sequence[ScalePoint], tokens: float):
+    from rich.table import Table
+
+    t = Table(title=f"Scaling (time to train {tokens / 1e12:g}T tokens)", title_justify="left")
+    for col, just in (("GPUs", "right"), ("plan", "left"), ("TFLOP/s/GPU", "right"), ("tok/s/GPU", "right"),
+                      ("days", "right")):
+        t.add_column(col, justify=just)
+    for pt in points:
+        p = pt.prediction
+        if p is None:
+            t.add_row(str(pt.n_gpus), pt.note, "-", "-", "-")
+        else:
+            t.add_row(str(pt.n_gpus), p.plan.short(), f"{p.tflops_per_gpu:,.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",
+                      f"{pt.days(tokens):,.1f}")
+    return t
+
+
+# ---- JSON ------------------------------------------------------------------------------------------------------
+
+def to_json(obj: Any, path: str | os.PathLike | None = None) -> str:
+    """Serialise a Prediction, SearchResult, list of ScalePoints or a dict; write to ``path`` if given."""
+    if isinstance(obj, Prediction):
+        d = obj.to_dict()
+    elif isinstance(obj, SearchResult):
+        d = obj.to_dict()
+    else:
+        d = obj
+    d = {**d, "constants": all_constants()} if isinstance(d, dict) else d
+    text = json.dumps(d, indent=2, default=_json_default)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    return text
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+# ---- PNG -------------------------------------------------------------------------------------------------------
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+SUB_COLORS = {"dense GEMM": "#4C72B0", "expert GEMM": "#6C8EBF", "attention": "#8FAADC", "memory-bound": "#B4C7E7",
+              "recompute": "#D9E2F3"}
+
+
+def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels: Sequence[str] | None = None,
+                   published: Sequence[float | None] | None = None) -> Path:
+    """Stacked horizontal bars of the step-time breakdown (share of each step; compute split by kernel class),
+    TFLOP/s per GPU, step time and memory annotated."""
+    plt = _plt()
+    labels = list(labels) if labels else [f"{p.n_gpus}x{p.gpu.upper()}" for p in preds]
+    fig, ax = plt.subplots(figsize=(12, 0.75 * len(preds) + 2.0))
+    seen: set[str] = set()
+    for i, p in enumerate(preds):
+        if p.step is None:
+            ax.text(0.01, i, f"does not fit in memory ({p.memory.total:.0f} of {p.memory_limit_gib:g} GiB)",
+                    va="center", color="red")
+            continue
+        step = p.step.step
+        left = 0.0
+        segs = [(f"compute: {k}", v, SUB_COLORS[k]) for k, v in p.step.compute_parts.items()]
+        if not segs:
+            segs = [("compute", p.step.compute, COLORS["compute"])]
+        segs += [(label, getattr(p.step, key), COLORS[key]) for key, label in BREAKDOWN if key != "compute"]
+        for label, v, color in segs:
+            ax.barh(i, v / step, left=left, color=color, edgecolor="white", linewidth=0.5,
+                    label=None if label in seen else label)
+            seen.add(label)
+            left += v / step
+        txt = f"{p.tflops_per_gpu:,.0f} TFLOP/s/GPU, step {step:.2f} s, {p.memory.total:.0f} GiB"
+        if published and published[i]:
+            txt += f"\n(published {published[i]:,.0f})"
+        ax.text(1.01, i, txt, va="center", fontsize=8)
+    ax.set_yticks(range(len(preds)), labels, fontsize=8)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of step time")
+    ax.invert_yaxis()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(preds) < 3 else -0.12), ncol=5, fontsize=8)
+    ax.set_title("Predicted step-time breakdown")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def plot_scale(points: Sequence[ScalePoint], path: str | os.PathLike, tokens: float, title: str = "") -> Path:
+    """TFLOP/s per GPU and days to train ``tokens`` against GPU count (log-2 x axis)."""
+    plt = _plt()
+    xs = [pt.n_gpus for pt in points if pt.prediction is not None]
+    tf = [pt.prediction.tflops_per_gpu for pt in points if pt.prediction is not None]
+    days = [pt.days(tokens) for pt in points if pt.prediction is not None]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.plot(xs, tf, "o-", color="#4C72B0")
+    a1.set_xscale("log", base=2)
+    a1.set_xlabel("GPUs")
+    a1.set_ylabel("predicted TFLOP/s per GPU")
+    a1.set_ylim(bottom=0)
+    a1.grid(alpha=0.3)
+    for x, y, pt in zip(xs, tf, [p for p in points if p.prediction is not None]):
+        pl = pt.prediction.plan
+        a1.annotate(f"TP{pl.tp}PP{pl.pp}EP{pl.ep}", (x, y), fontsize=7, textcoords="offset points", xytext=(0, 6),
+                    ha="center")
+    a2.plot(xs, days, "o-", color="#C44E52")
+    a2.set_xscale("log", base=2)
+    a2.set_yscale("log")
+    a2.set_xlabel("GPUs")
+    a2.set_ylabel(f"days to train {tokens / 1e12:g}T tokens")
+    a2.grid(alpha=0.3, which="both")
+    missing = [pt.n_gpus for pt in points if pt.prediction is None]
+    if missing:
+        a2.text(0.02, 0.02, f"no fitting plan at {missing}", transform=a2.transAxes, fontsize=8, color="red")
+    fig.suptitle(title or "Predicted scaling")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,288 @@
+"""Plan search (``moetrain plan --search``) and GPU-count scaling (``--scale``).
+
+The search enumerates parallel layouts (TP, PP, VPP, EP, micro-batch) around a base plan that fixes everything
+else (model, global batch, sequence length, precisions, routing, optimizer), predicts each, and ranks the plans
+that fit in memory by predicted TFLOP/s per GPU. Recomputation is tried from least to most (none, MLA
+up-projections, + norms and SwiGLU, full) and the first level that fits is kept: for a given layout, less
+recomputation is never slower. Expert-parallel overlap is switched on for every EP > 1 (it is never slower in the
+model) unless the base plan forbids it with ``allow_overlap=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from moetrain.plan.hardware import GPUSpec, HardwareError, get_gpu
+from moetrain.plan.model import Prediction, predict
+from moetrain.plan.plan import Plan, PlanError, default_items
+from moetrain.plan.shape import ModelShape, load_shape
+
+#: Share of GPU memory a searched plan must leave free: the caching allocator fragments (5-10% is common) and the
+#: activation tally of the model is an estimate.
+MEMORY_HEADROOM = 0.05
+
+#: Fields compared when reporting what a searched plan changed.
+DIFF_FIELDS = ("tp", "pp", "vpp", "ep", "cp", "dp", "micro_batch", "recompute", "recompute_modules", "ep_overlap",
+               "schedule", "pp_layout")
+
+
+def recompute_ladder(shape: ModelShape) -> list[tuple[str, tuple[str, ...] | None]]:
+    """Recompute settings from cheapest to most memory-saving."""
+    if shape.attention == "mla":
+        return [("none", None), ("selective", ("mla_up_proj",)), ("selective", ("norm", "mla_up_proj", "moe_act")),
+                ("full", None)]
+    return [("none", None), ("selective", ("norm", "moe_act")), ("full", None)]
+
+
+def plan_changes(base: Plan, new: Plan) -> list[str]:
+    """Human-readable list of the fields ``new`` changes relative to ``base`` ("PP 2 -> 4", ...)."""
+    out = []
+    for f in DIFF_FIELDS:
+        a, b = getattr(base, f), getattr(new, f)
+        if f == "schedule":
+            a, b = base.resolved_schedule, new.resolved_schedule
+        if f == "recompute_modules":
+            a = tuple(sorted(base.recomputed)) if base.recompute == "selective" else None
+            b = tuple(sorted(new.recomputed)) if new.recompute == "selective" else None
+        if a != b:
+            def fmt(v: Any) -> str:
+                if v is None:
+                    return "auto" if f == "pp_layout" else "-"
+                if isinstance(v, tuple):
+                    return "+".join(v)
+                return str(v)
+            out.append(f"{f}: {fmt(a)} -> {fmt(b)}")
+    return out
+
+
+@dataclass
+class SearchResult:
+    """Outcome of :func:`search`.
+
+    Attributes:
+        ranked: predictions of the plans that fit, best TFLOP/s per GPU first.
+        baseline: the prediction of the base plan (None if it is invalid); it may not fit.
+        evaluated / invalid / not_fitting: how many candidates were predicted, rejected by validation, too big.
+    """
+
+    ranked: list[Prediction]
+    baseline: Prediction | None
+    evaluated: int = 0
+    invalid: int = 0
+    not_fitting: int = 0
+    baseline_error: str = ""
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.ranked[0] if self.ranked else None
+
+    def changes(self) -> list[str]:
+        if self.best is None or self.baseline is None:
+            return []
+        return plan_changes(self.baseline.plan, self.best.plan)
+
+    def gain(self) -> float | None:
+        """best / baseline predicted TFLOP/s per GPU (None when either is missing or the baseline does not fit)."""
+        if self.best is None or self.baseline is None or not self.baseline.tflops_per_gpu:
+            return None
+        return self.best.tflops_per_gpu / self.baseline.tflops_per_gpu
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best.to_dict() if self.best else None,
+            "baseline": self.baseline.to_dict() if self.baseline else None,
+            "baseline_error": self.baseline_error,
+            "changes": self.changes(), "gain": self.gain(),
+            "top": [{"plan": p.plan.short(), "tflops_per_gpu": p.tflops_per_gpu,
+                     "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib": p.memory.total}
+                    for p in self.ranked[:20]],
+            "evaluated": self.evaluated, "invalid": self.invalid, "not_fitting": self.not_fitting,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
+           tp: Sequence[int] | None = None, pp: Sequence[int] | None = None, vpp: Sequence[int] | None = None,
+           ep: Sequence[int] | None = None, cp: Sequence[int] | None = None,
+           micro_batch: Sequence[int] | None = None, allow_overlap: bool = True,
+           schedules: Sequence[str] | None = None, top: int | None = None,
+           headroom: float = MEMORY_HEADROOM) -> SearchResult:
+    """Enumerate plans around ``base`` for ``n_gpus`` GPUs and rank the ones that fit by TFLOP/s per GPU.
+
+    Args:
+        model, gpu, n_gpus: as for :func:`~moetrain.plan.model.predict`.
+        base: fixes global batch, sequence length, precisions, routing, optimizer; it is also the baseline the
+            best plan is compared with.
+        tp, pp, vpp, ep, cp, micro_batch: candidate values (None = a sensible default range).
+        allow_overlap: consider expert-parallel overlap (on for every EP > 1).
+        schedules: pipeline schedules to try among "1f1b"/"interleaved"/"dualpipe" (None: 1F1B and interleaved,
+            plus DualPipe when the base plan uses it).
+        top: keep only this many ranked plans.
+        headroom: rank only plans that leave this fraction of the GPU memory free (allocator fragmentation and
+            the model's own uncertainty); 0 accepts anything that fits.
+
+    Raises:
+        HardwareError / ShapeError: unknown GPU or model.
+    """
+    shape = load_shape(model)
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
+    baseline, base_err = None, ""
+    try:
+        baseline = predict(shape, spec, n_gpus, base.replace(dp=None))
+    except PlanError as e:
+        base_err = str(e)
+    n_items = len(default_items(shape))
+    tps = list(tp) if tp else [t for t in (1, 2, 4, 8) if t <= spec.nvlink_domain and shape.n_heads % t == 0]
+    cps = list(cp) if cp else [base.cp]
+    mbs = list(micro_batch) if micro_batch else sorted({1, 2, base.micro_batch})
+    scheds = list(schedules) if schedules else (["1f1b", "interleaved"]
+                                                  + (["dualpipe"] if base.resolved_schedule == "dualpipe" else []))
+    ladder = recompute_ladder(shape)
+    if base.recompute == "selective" and base.recompute_modules is not None:
+        rung = ("selective", tuple(base.recompute_modules))
+        if rung not in ladder:
+            ladder.insert(1, rung)
+    ranked: list[Prediction] = []
+    evaluated = invalid = not_fit = 0
+    for t in tps:
+        for c in cps:
+            if n_gpus % (t * c):
+                continue
+            rest = n_gpus // (t * c)
+            pps = list(pp) if pp else [p for p in _divisors(rest) if p <= min(n_items, 64)]
+            for p in pps:
+                if rest % p:
+                    continue
+                dp = rest // p
+                stage = t * c * dp
+                eps = list(ep) if ep else [e for e in _divisors(shape.n_experts) if stage % e == 0]
+                for sched in scheds:
+                    if sched == "interleaved":
+                        vpps = [v for v in (vpp or (2, 4, 8)) if v > 1 and p > 1 and p * v <= n_items]
+                    elif sched == "dualpipe":
+                        vpps = [1] if p >= 2 and p % 2 == 0 else []
+                    else:
+                        vpps = [1]
+                    for v in vpps:
+                        for e in eps:
+                            for mb in mbs:
+                                for rc, mods in ladder:
+                                    cand = base.replace(tp=t, pp=p, vpp=v, ep=e, cp=c, dp=None, micro_batch=mb,
+                                                        recompute=rc, recompute_modules=mods, schedule=sched,
+                                                        ep_overlap=allow_overlap and e > 1 or
+                                                        (sched == "dualpipe"), pp_layout=None)
+                                    try:
+                                        pr = predict(shape, spec, n_gpus, cand)
+                                    except PlanError:
+                                        invalid += 1
+                                        break
+                                    evaluated += 1
+                                    if pr.fits and pr.memory.total <= (1 - headroom) * pr.memory_limit_gib:
+                                        ranked.append(pr)
+                                        break
+                                    not_fit += 1
+    ranked.sort(key=lambda r: -(r.tflops_per_gpu or 0.0))
+    if top:
+        ranked = ranked[:top]
+    return SearchResult(ranked=ranked, baseline=baseline, evaluated=evaluated, invalid=invalid,
+                        not_fitting=not_fit, baseline_error=base_err)
+
+
+# ---- scaling -------------------------------------------------------------------------------------------------
+
+@dataclass
+class ScalePoint:
+    """One GPU count of a scaling study."""
+
+    n_gpus: int
+    prediction: Prediction | None
+    note: str = ""
+    searched: bool = False
+
+    def days(self, tokens: float) -> float | None:
+        if self.prediction is None:
+            return None
+        t = self.prediction.time_to_train(tokens)
+        return None if t is None else t / 86400
+
+    def to_dict(self, tokens: float) -> dict[str, Any]:
+        p = self.prediction
+        return {"n_gpus": self.n_gpus, "note": self.note, "searched": self.searched,
+                "plan": p.plan.short() if p else None,
+                "tflops_per_gpu": p.tflops_per_gpu if p else None,
+                "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu if p else None,
+                "days_to_train": self.days(tokens), "tokens": tokens}
+
+
+def scale(model: Any, gpu: GPUSpec | str, counts: Iterable[int], base: Plan, *, mode: str = "search",
+          batch: str = "fixed", base_gpus: int | None = None) -> list[ScalePoint]:
+    """Predict ``base`` (or the best plan near it) at each GPU count.
+
+    Args:
+        mode: "keep" = the base plan's TP/PP/VPP/EP/CP/micro-batch with DP grown to fill the GPUs;
+            "search" = the best plan found by :func:`search` at each count (a narrower grid, for speed).
+        batch: "fixed" = the base plan's global batch at every count; "per-gpu" = sequences per GPU held at the
+            base plan's value on ``base_gpus`` GPUs.
+        base_gpus: the GPU count the base plan was made for (needed for batch="per-gpu").
+
+    Returns:
+        One :class:`ScalePoint` per count; ``prediction`` is None (with a note) when no valid plan fits.
+    """
+    if mode not in ("keep", "search"):
+        raise ValueError(f"mode={mode!r}; allowed: 'keep', 'search'")
+    if batch not in ("fixed", "per-gpu"):
+        raise ValueError(f"batch={batch!r}; allowed: 'fixed', 'per-gpu'")
+    if batch == "per-gpu" and not base_gpus:
+        raise ValueError("batch='per-gpu' needs base_gpus")
+    shape = load_shape(model)
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
+    out: list[ScalePoint] = []
+    for n in counts:
+        plan = base.replace(dp=None)
+        if batch == "per-gpu":
+            gbs = max(1, round(base.global_batch * n / base_gpus))
+            plan = plan.replace(global_batch=gbs)
+        if mode == "keep":
+            try:
+                pr = predict(shape, spec, n, plan)
+                out.append(ScalePoint(n, pr if pr.fits else None, "" if pr.fits else pr.message))
+            except PlanError as e:
+                out.append(ScalePoint(n, None, str(e)))
+            continue
+        res = search(shape, spec, n, plan, tp=(1, 2) if spec.nvlink_domain >= 2 else (1,),
+                     vpp=(2, 4, 8), micro_batch=(plan.micro_batch,), top=1,
+                     ep=None)
+        if res.best is None:
+            out.append(ScalePoint(n, None, f"no valid plan fits on {n} x {spec.name} with global batch "
+                                           f"{plan.global_batch}", searched=True))
+        else:
+            out.append(ScalePoint(n, res.best, "", searched=True))
+    return out
+
+
+def parse_counts(text: str) -> list[int]:
+    """Parse ``--scale``: "64,128,256" or a geometric range "64-8192" / "64..8192" (powers of two)."""
+    text = text.strip()
+    for sep in ("..", "-"):
+        if sep in text and "," not in text:
+            a, b = (int(x) for x in text.split(sep, 1))
+            if a < 1 or b < a:
+                raise ValueError(f"bad GPU range {text!r}")
+            out, x = [], a
+            while x <= b:
+                out.append(x)
+                x *= 2
+            return out
+    vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    if not vals or min(vals) < 1:
+        raise ValueError(f"bad GPU counts {text!r}; e.g. 64,128,256 or 64-8192")
+    return vals
+
+
+def _unused() -> None:  # pragma: no cover - keep imports referenced for type checkers
+    del math, field, HardwareError

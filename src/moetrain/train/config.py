@@ -1,0 +1,80 @@
+"""Settings of the training loop (optimizer, schedule, batch, logging, checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.model.config import ConfigError
+
+
+@dataclass
+class TrainConfig:
+    """Training-loop settings. Defaults are the built-in CPU demo (tiny preset, 2 workers, < 5 min on 2 cores).
+
+    Attributes:
+        steps: optimizer steps.
+        micro_batch_size: sequences per micro-batch per rank.
+        grad_accum: micro-batches per optimizer step (global batch = micro_batch_size * grad_accum * world).
+        lr / min_lr / warmup_steps / schedule: AdamW learning rate, linear warm-up, then "cosine" or "wsd" decay to
+            min_lr, or "constant".
+        weight_decay, beta1, beta2, eps: AdamW (DeepSeek-V3: 0.1, 0.9, 0.95).
+        max_grad_norm: global gradient clipping (DeepSeek-V3: 1.0; <= 0 disables).
+        seed: model init seed (the data loader uses data.seed too).
+        log_every / eval_every / eval_batches: metrics cadence; validation every eval_every steps on eval_batches
+            micro-batches per rank (0 = never).
+        ckpt_every / keep_ckpts: checkpoint cadence (0 = only at the end) and how many complete ones to keep.
+        out_dir: run directory (metrics.jsonl, TensorBoard events, checkpoints/).
+        resume: continue from the newest complete checkpoint in out_dir/checkpoints.
+        nproc: worker processes that ``moetrain train`` launches on this machine (0 = one per GPU, else 2 on CPU).
+        device: "auto" (cuda if available), "cuda" or "cpu".
+        dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32".
+        tensorboard: also write TensorBoard events.
+        threads_per_proc: CPU threads per worker (0 = cores / workers).
+    """
+
+    steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 4e-3
+    min_lr: float = 4e-4
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    ckpt_every: int = 50
+    keep_ckpts: int = 2
+    out_dir: str = "runs/default"
+    resume: bool = False
+    nproc: int = 0
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    tensorboard: bool = True
+    threads_per_proc: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"train.{name}={v!r} must be an integer >= 1")
+        for name in ("warmup_steps", "eval_every", "eval_batches", "ckpt_every", "nproc", "threads_per_proc"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"train.{name}={v!r} must be an integer >= 0")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"train.lr={self.lr} must be > 0 and train.min_lr={self.min_lr} in [0, lr]")
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise ConfigError(f"train.schedule={self.schedule!r}; allowed: 'cosine', 'wsd', 'constant'")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"train.device={self.device!r}; allowed: 'auto', 'cuda', 'cpu'")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ConfigError(f"train.dtype={self.dtype!r}; allowed: 'auto', 'bf16', 'fp32'")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ConfigError(f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1)")

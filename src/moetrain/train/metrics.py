@@ -1,0 +1,95 @@
+"""Throughput accounting (TFLOP/s per GPU, MFU) and metric sinks (console, JSONL, TensorBoard).
+
+TFLOP/s per GPU uses the Megatron-Core FLOPs formula (:mod:`moetrain.accounting`), the accounting of the published
+DeepSeek-V3 record, so the numbers compare. MFU divides it by the device's dense peak: a table of datasheet bf16
+peaks for known GPUs; on a CPU, the rate of a matmul probe measured at start-up (labelled ``cpu-probe``), since CPUs
+have no meaningful datasheet peak for this purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peak per GPU in TFLOP/s (vendor datasheets, sparsity halved; REFERENCE.md section 5).
+GPU_PEAK_BF16_TFLOPS = {
+    "GB300": 2500.0, "GB200": 2500.0, "B300": 2250.0, "B200": 2250.0,
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+}
+
+
+def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                        repeats: int = 5) -> float:
+    """Measured dense matmul rate of this process (TFLOP/s), the CPU's practical peak for MFU."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n ** 3 * repeats / (time.perf_counter() - t) / 1e12
+
+
+def device_peak(device: torch.device, dtype: torch.dtype | None) -> tuple[float, str]:
+    """(peak TFLOP/s, label) used for MFU on ``device``."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16_TFLOPS.items():
+            if key in name.replace(" ", ""):
+                return (peak if dtype == torch.bfloat16 else peak / 2), f"{key} datasheet"
+        return matmul_probe_tflops(device, dtype or torch.float32, 8192), f"{name} matmul probe"
+    return matmul_probe_tflops(device), "cpu-probe"
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+class MetricsSink:
+    """Writes metrics to ``out_dir/metrics.jsonl``, TensorBoard (optional) and the console. Rank 0 only."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a" if append else "w")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        from rich.console import Console
+        self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+
+    def print(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def load_imbalance(tokens_per_expert_ME: torch.Tensor) -> list[float]:
+    """max / mean tokens per expert, per MoE layer (1.0 = perfectly balanced)."""
+    loads = tokens_per_expert_ME.float()
+    return (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).tolist()

@@ -1,0 +1,204 @@
+"""The training loop run by every worker process (one per GPU, or a few on a CPU).
+
+Launched by :mod:`moetrain.train.launch` (``moetrain train``) or directly by ``torchrun -m moetrain train``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.accounting import flops_per_token
+from moetrain.config import JobConfig
+from moetrain.data import TokenLoader, iter_eval_batches
+from moetrain.data.prepare import PreparedData
+from moetrain.model.transformer import Transformer, build_model
+from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
+from moetrain.parallel.parallelize import parallelize
+from moetrain.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
+                                       save_checkpoint)
+from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
+from moetrain.train.optim import build_optimizer, lr_at, set_lr
+from moetrain.train.step import train_step
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
+
+
+def resolve_device(job: JobConfig) -> str:
+    if job.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return job.train.device
+
+
+def autocast_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
+    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
+    """Raise CheckpointError if ``ckpt`` was written for a different model architecture."""
+    state = read_trainer_state(ckpt)
+    saved = state.get("model_config", {})
+    arch_fields = [f for f in job.model.to_dict() if f not in ("balance_loss_alpha", "mtp_loss_weight",
+                                                               "bias_update_rate", "routing")]
+    diff = {f: (saved.get(f), getattr(job.model, f)) for f in arch_fields if saved.get(f) != getattr(job.model, f)}
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in list(diff.items())[:6])
+        raise CheckpointError(f"checkpoint {ckpt} is from a different model ({shown}); use the same model config or "
+                              f"a fresh train.out_dir")
+    return state
+
+
+def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
+             amp: torch.dtype | None) -> float:
+    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean)."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    with torch.no_grad():
+        for x, y in iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size,
+                                      ctx.rank, ctx.world_size, job.train.eval_batches):
+            with torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
+                out = model(x.to(ctx.device), y.to(ctx.device))
+            total += torch.stack([out.lm_loss_sum.double(), out.n_loss_tokens.double()])
+    if ctx.distributed:
+        dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def run(job: JobConfig, prep: PreparedData) -> dict[str, Any]:
+    """Train ``job`` on prepared data; returns the summary (rank 0's view). Called on every worker."""
+    tc = job.train
+    if tc.threads_per_proc:
+        torch.set_num_threads(tc.threads_per_proc)
+    ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
+    try:
+        return _run(job, prep, ctx)
+    finally:
+        shutdown()
+
+
+def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, Any]:
+    tc, cfg = job.train, job.model
+    check_same_config(ctx, job.to_dict())
+    amp = autocast_dtype(job, ctx.device)
+    model = build_model(cfg, device=ctx.device, seed=tc.seed)
+    parallelize(model, ctx)
+    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    loader = TokenLoader(prep.train_path, job.data.seq_len, tc.micro_batch_size, ctx.rank, ctx.world_size,
+                         seed=job.data.seed)
+    start_step, last_ckpt = 0, None
+    if tc.resume:
+        ckpt = latest_checkpoint(tc.out_dir)
+        if ckpt is None:
+            if ctx.is_main:
+                print(f"[moetrain] --resume: no complete checkpoint in {tc.out_dir}/checkpoints; starting fresh")
+        else:
+            check_checkpoint_compatible(ckpt, job)
+            state = load_checkpoint(ckpt, model, optimizer, ctx)
+            loader.load_state_dict(state["loader"])
+            start_step, last_ckpt = state["step"], ckpt
+    sink = MetricsSink(tc.out_dir, tc.tensorboard, append=start_step > 0) if ctx.is_main else None
+
+    fpt = flops_per_token(cfg, job.data.seq_len)
+    peak_tflops, peak_label = device_peak(ctx.device, amp)
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum * ctx.world_size * job.data.seq_len
+    if sink:
+        sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | DP={ctx.pcfg.dp} EP={ctx.pcfg.ep} "
+                   f"dispatcher={ctx.pcfg.dispatcher_kind} | model {job.preset}: "
+                   f"{sum(p.numel() for p in model.parameters()):,} params on rank 0 | {tokens_per_step:,} tokens/step "
+                   f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak_tflops:.3f} TFLOP/s "
+                   f"({peak_label})")
+        sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": ctx.pcfg.dp,
+                    "ep": ctx.pcfg.ep, "dispatcher": ctx.pcfg.dispatcher_kind, "preset": job.preset,
+                    "flops_per_token_megatron": fpt.megatron, "flops_per_token_6n": fpt.six_n,
+                    "peak_tflops": peak_tflops, "peak_label": peak_label, "config": job.to_dict()})
+
+    history: dict[str, Any] = {"val": [], "train": []}
+    if start_step == 0 and tc.eval_every:
+        v = evaluate(model, prep, job, ctx, amp)
+        history["val"].append((0, v))
+        if sink:
+            sink.write({"kind": "val", "step": 0, "val_loss": v})
+            sink.print(f"step {0:>5} | val loss {v:.4f}")
+
+    moe_layers = model.moe_layers()
+    window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
+    result = None
+    for step in range(start_step, tc.steps):
+        lr = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
+                   schedule=tc.schedule)
+        set_lr(optimizer, lr)
+        batches = [loader.next_batch() for _ in range(tc.grad_accum)]
+        batches = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)) for x, y in batches]
+        result = train_step(model, optimizer, batches, cfg, ctx, tc.max_grad_norm, amp)
+        if not math.isfinite(result.loss):
+            where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
+            raise NonFiniteLossError(f"loss became {result.loss} at step {step + 1}; {where}. Lower train.lr or "
+                                     f"resume from that checkpoint.")
+        window_tokens += tokens_per_step
+        window_steps += 1
+        done = step + 1
+        if done % tc.log_every == 0 or done == tc.steps:
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - window_t
+            tok_s_gpu = window_tokens / dt / ctx.world_size
+            tflops = tok_s_gpu * fpt.megatron / 1e12
+            a2a = sum(m.dispatcher.stats.a2a_seconds for m in moe_layers)
+            exposed = sum(m.dispatcher.stats.exposed_seconds for m in moe_layers)
+            imb = load_imbalance(result.tokens_per_expert_ME)
+            rec = {"kind": "train", "step": done, "loss": result.loss, "lm_loss": result.lm_loss,
+                   "mtp_loss": result.mtp_loss, "balance_loss": result.balance_loss, "grad_norm": result.grad_norm,
+                   "lr": lr, "tokens_per_s_per_gpu": tok_s_gpu, "tflops_per_gpu": tflops,
+                   "mfu": tflops / peak_tflops, "step_time_s": dt / window_steps,
+                   "a2a_s_per_step": a2a / window_steps, "a2a_exposed_s_per_step": exposed / window_steps,
+                   "a2a_exposed_share": exposed / a2a if a2a > 0 else 0.0,
+                   "a2a_share_of_step": exposed / dt if dt > 0 else 0.0,
+                   "load_imbalance_max": max(imb) if imb else 1.0, "load_imbalance": imb,
+                   "dropped_tokens": result.dropped_tokens, "peak_mem_gb": peak_memory_gb(ctx.device),
+                   "expert_load": result.tokens_per_expert_ME.tolist()}
+            history["train"].append((done, result.loss))
+            if sink:
+                sink.write(rec)
+                sink.print(f"step {done:>5} | loss {result.loss:.4f} (lm {result.lm_loss:.3f} mtp "
+                           f"{result.mtp_loss:.3f} bal {result.balance_loss:.3f}) | gnorm {result.grad_norm:.2f} | "
+                           f"lr {lr:.2e} | {tok_s_gpu:,.0f} tok/s/gpu | {tflops:.4f} TFLOP/s/gpu | MFU "
+                           f"{100 * tflops / peak_tflops:.1f}% | a2a {1e3 * a2a / window_steps:.1f} ms/step "
+                           f"({100 * rec['a2a_exposed_share']:.0f}% exposed) | load max/mean {rec['load_imbalance_max']:.2f}"
+                           f" | drop {result.dropped_tokens} | mem {rec['peak_mem_gb']:.2f} GB")
+            for m in moe_layers:
+                m.dispatcher.stats.a2a_seconds = m.dispatcher.stats.exposed_seconds = 0.0
+            window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
+        if tc.eval_every and (done % tc.eval_every == 0 or done == tc.steps):
+            v = evaluate(model, prep, job, ctx, amp)
+            history["val"].append((done, v))
+            if sink:
+                sink.write({"kind": "val", "step": done, "val_loss": v})
+                sink.print(f"step {done:>5} | val loss {v:.4f}")
+            window_t = time.perf_counter()  # evaluation time is not training throughput
+        if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
+            last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
+                                        {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
+                                         "job": job.to_dict()}, ctx, tc.keep_ckpts)
+            window_t = time.perf_counter()
+    summary = {"steps": tc.steps, "start_step": start_step, "val": history["val"], "train": history["train"],
+               "world": ctx.world_size, "ep": ctx.pcfg.ep, "out_dir": tc.out_dir,
+               "checkpoint": str(last_ckpt) if last_ckpt else None}
+    if sink:
+        vals = history["val"]
+        if len(vals) >= 2:
+            sink.print(f"[moetrain] done: val loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} "
+                       f"(step {vals[-1][0]}); metrics in {tc.out_dir}/metrics.jsonl; checkpoint {last_ckpt}")
+        sink.write({"kind": "summary", "step": tc.steps, **{k: v for k, v in summary.items() if k != "train"}})
+        sink.close()
+    return summary

@@ -1,0 +1,72 @@
+"""`moetrain train` rejects bad input before any worker starts, with a message naming the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from moetrain.cli import main
+
+
+def _train(capsys, *args: str) -> tuple[int, str, float]:
+    t = time.perf_counter()
+    code = main(["train", *args])
+    return code, capsys.readouterr().err, time.perf_counter() - t
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for i in range(6):
+        (d / f"doc{i}.txt").write_text(("def f(x):\n    return x * %d\n" % i) * 200)
+    return d
+
+
+def test_missing_data(capsys, tmp_path):
+    code, err, dt = _train(capsys, "--data", str(tmp_path / "nope/*.jsonl"), "--out", str(tmp_path / "run"))
+    assert code == 2 and "nope" in err and dt < 30
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_data(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    code, err, _ = _train(capsys, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "run"))
+    assert code == 2 and "empty" in err.lower()
+
+
+def test_unknown_config_field(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--set", "train.learning_rate=1", "--out", str(tmp_path / "run"))
+    assert code == 2 and "learning_rate" in err and "valid fields" in err
+
+
+def test_ep_not_dividing_experts(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--ep", "3", "--nproc", "3", "--out", str(tmp_path / "run"))
+    assert code == 2 and "parallel.ep=3" in err and "allowed ep values" in err
+
+
+def test_tokenizer_larger_than_model_vocab(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--set", "data.builtin_max_bytes=200000", "--set", "data.vocab_size=1000",
+                          "--set", "model.vocab_size=512", "--set", f'data.cache_dir="{tmp_path / "c"}"',
+                          "--steps", "1", "--out", str(tmp_path / "run"))
+    assert code == 2 and "model.vocab_size is 512" in err, err
+
+
+def test_checkpoint_from_a_different_model(capsys, tmp_path):
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    from moetrain.model.config import tiny
+    (ckpt / "trainer_state.json").write_text(json.dumps({"model_config": tiny().replace(dim=64).to_dict()}))
+    (ckpt / "COMPLETE").write_text("10\n")
+    code, err, _ = _train(capsys, "--resume", "--out", str(tmp_path / "run"))
+    assert code == 2 and "different model" in err and "dim" in err
+
+
+def test_unreadable_config_file(capsys, tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text("[train\nsteps = 3")
+    code, err, _ = _train(capsys, "--config", str(f))
+    assert code == 2 and "cannot parse" in err
