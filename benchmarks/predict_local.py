@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -56,8 +57,15 @@ def main() -> int:
     ap.add_argument("--rebench", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="extra SECTION.FIELD=VALUE for train and prediction")
     ap.add_argument("--tolerance", type=float, default=0.25)
+    ap.add_argument("--cpu-time", action="store_true", help="also run a short run and report the CPU-time "
+                    "equivalent throughput (robust to other processes on the machine)")
     args = ap.parse_args()
 
+    load0 = os.getloadavg()[0]
+    cores = os.cpu_count() or 1
+    if load0 > 0.5 * cores:
+        print(f"WARNING: load average {load0:.1f} on {cores} cores -- other processes will slow the measured run "
+              "(the bench takes the fastest samples, so the prediction is for an idle machine)")
     from moetrain.config import load_job_config
     from moetrain.plan.bench import run_bench, summary
     from moetrain.plan.local import predict_local_train
@@ -78,19 +86,40 @@ def main() -> int:
     print(f"prediction: {pred.tokens_per_s_per_proc:,.0f} tok/s per process (step {pred.step_s * 1e3:.0f} ms; "
           f"computed in {time.perf_counter() - t0:.1f} s)")
 
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "run"
-        cmd = TRAIN_CMD.format(python=shlex.quote(sys.executable), preset=args.preset, steps=args.steps,
-                               out=shlex.quote(str(out)), log_every=args.log_every)
-        cmd += "".join(f" --set {shlex.quote(s)}" for s in args.set)
-        print(f"running: {cmd}")
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        r = subprocess.run(cmd, shell=True, cwd=ROOT, env=env)
-        if r.returncode != 0:
-            print(f"moetrain train failed (exit {r.returncode}); no measurement", file=sys.stderr)
-            return 1
-        meas, windows = measured_tokens_per_s(out)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
+    def train(steps: int) -> tuple[float, list[float], float]:
+        """Run moetrain train; (median tok/s per process, all windows, CPU seconds used by the run)."""
+        with tempfile.TemporaryDirectory() as d:
+            out = Path(d) / "run"
+            cmd = TRAIN_CMD.format(python=shlex.quote(sys.executable), preset=args.preset, steps=steps,
+                                   out=shlex.quote(str(out)), log_every=args.log_every)
+            cmd += "".join(f" --set {shlex.quote(s)}" for s in args.set)
+            print(f"running: {cmd}")
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            r = subprocess.run(cmd, shell=True, cwd=ROOT, env=env)
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if r.returncode != 0:
+                raise RuntimeError(f"moetrain train failed (exit {r.returncode}); no measurement")
+            cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+            tps, windows = measured_tokens_per_s(out)
+            return tps, windows, cpu
+
+    try:
+        meas, windows, cpu_long = train(args.steps)
+        cpu_equiv = None
+        if args.cpu_time:
+            # CPU seconds per step from the difference of two runs (start-up cancels): a load-robust estimate
+            # of what an idle machine would do (waits on the peer process are not counted)
+            _, _, cpu_short = train(args.log_every)
+            per_step_cpu = (cpu_long - cpu_short) / (args.steps - args.log_every)
+            tokens_per_step = job.train.micro_batch_size * job.train.grad_accum * world * job.data.seq_len
+            cpu_equiv = tokens_per_step / per_step_cpu  # per process: (tokens/2) / (cpu/2)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+
+    load1 = os.getloadavg()[0]
     ratio = pred.tokens_per_s_per_proc / meas
     ok = abs(ratio - 1) <= args.tolerance
     print()
@@ -98,6 +127,11 @@ def main() -> int:
     print(f"{'predicted (moetrain plan)':28s}{pred.tokens_per_s_per_proc:>22,.0f}")
     print(f"{'measured (moetrain train)':28s}{meas:>22,.0f}   windows: {', '.join(f'{v:,.0f}' for v in windows)}")
     print(f"{'predicted / measured':28s}{ratio:>22.2f}   {'within' if ok else 'OUTSIDE'} +-{args.tolerance:.0%}")
+    if cpu_equiv is not None:
+        r2 = pred.tokens_per_s_per_proc / cpu_equiv
+        print(f"{'measured, CPU-time based':28s}{cpu_equiv:>22,.0f}   predicted / this = {r2:.2f}")
+    print(f"load average before / after the run: {load0:.1f} / {load1:.1f} on {cores} cores"
+          + ("  (measurement disturbed by other processes)" if max(load0, load1) > 0.5 * cores + 2 else ""))
     s = pred.prediction.step
     parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in s.compute_parts.items())
     print(f"predicted step {s.step * 1e3:.0f} ms: compute {s.compute * 1e3:.0f} ms ({parts}), all-to-all "

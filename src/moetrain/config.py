@@ -151,6 +151,23 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     return build_job_config(_merge(sections, parse_overrides(overrides or [])))
 
 
+def save_job_config(job: JobConfig, path: str | Path) -> Path:
+    """Write ``job`` as TOML (``.toml``) or JSON (any other suffix); ``load_job_config`` reads it back."""
+    p = Path(path)
+    d = job.to_dict()
+    preset = d.pop("preset")
+    d["model"] = {"preset": preset, **d["model"]} if not preset.startswith("hf:") else d["model"]
+    if p.suffix == ".toml":
+        import tomli_w
+
+        def drop_none(x: Any) -> Any:  # TOML has no null: an absent key means the default (None)
+            return {k: drop_none(v) for k, v in x.items() if v is not None} if isinstance(x, dict) else x
+        p.write_text(tomli_w.dumps(drop_none(d)))
+    else:
+        p.write_text(json.dumps(d, indent=2))
+    return p
+
+
 def job_config_from_dict(d: dict[str, Any]) -> JobConfig:
     """Inverse of JobConfig.to_dict (used to ship the config to worker processes)."""
     return JobConfig(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),

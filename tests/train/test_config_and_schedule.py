@@ -26,6 +26,14 @@ def test_toml_file_and_overrides(tmp_path):
     assert again.to_dict() == job.to_dict()
 
 
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_save_and_reload(tmp_path, suffix):
+    from moetrain.config import save_job_config
+    job = load_job_config(None, ["model.dim=96", "parallel.capacity_factor=1.5", "train.steps=9"])
+    path = save_job_config(job, tmp_path / f"job{suffix}")
+    assert load_job_config(path).to_dict() == job.to_dict()
+
+
 def test_json_file(tmp_path):
     f = tmp_path / "job.json"
     f.write_text(json.dumps({"model": {"preset": "small"}, "train": {"steps": 3}}))

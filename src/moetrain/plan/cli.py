@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file, with_overrides
-from moetrain.plan.model import Prediction, predict
+from moetrain.plan.model import predict
 from moetrain.plan.plan import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, OPTIMIZERS, PRECISIONS, RECOMPUTE,
                                 RECOMPUTE_MODULES, ROUTING, SCHEDULES, Plan, PlanError)
 from moetrain.plan.records import RECORDS, Record, get_record
@@ -71,6 +70,8 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8-param", dest="fp8_param", action="store_true", default=None,
                    help="FP8 primary weights (no BF16 weight copy)")
     g.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false", default=None)
+    g.add_argument("--fsdp", dest="fsdp", action="store_true", default=None,
+                   help="FSDP2 / ZeRO-3: parameters gathered for every micro-batch (as `moetrain train` does)")
     g = p.add_argument_group("what to do")
     g.add_argument("--records", action="store_true", help="predict every published row of REFERENCE.md section 4 "
                    "and compare")
@@ -133,7 +134,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     if args.recompute_modules:
         changes["recompute_modules"] = tuple(x.strip() for x in args.recompute_modules.split(",") if x.strip())
         changes.setdefault("recompute", "selective")
-    for f in ("ep_overlap", "fp8_param", "dp_overlap"):
+    for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp"):
         if getattr(args, f, None) is not None:
             changes[f] = getattr(args, f)
     if rec and changes:
@@ -168,7 +169,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
             return _cmd_search(args, shape, gpu, n, plan)
-        pred = predict(shape, gpu, n, plan)
+        op_counts = None
+        if gpu.generation == "cpu" and shape.attention == "mla":
+            from moetrain.plan.local import count_ops
+            op_counts = count_ops(shape.config, plan.seq_len)
+        pred = predict(shape, gpu, n, plan, op_counts=op_counts)
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2
@@ -265,6 +270,3 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
-
-def _unused() -> None:  # pragma: no cover
-    del Path, Prediction

@@ -46,7 +46,7 @@ from moetrain.plan.constants import (
     efficiency_for,
 )
 from moetrain.plan.hardware import GPUSpec, get_gpu
-from moetrain.plan.plan import Plan, PlanError, balanced_partition, default_items, layout_items, validate
+from moetrain.plan.plan import Plan, balanced_partition, default_items, layout_items, validate
 from moetrain.plan.shape import ModelShape, load_shape
 
 GIB = float(1 << 30)
@@ -120,7 +120,8 @@ def routing_stats(n_experts: int, top_k: int, ep: int, ranks_per_domain: int, n_
         rranks += np.count_nonzero(rem)
         rdoms += len(np.unique(ud[rem]))
     del doms_of
-    return RoutingStats(same / samples, rdoms / samples, rranks / samples, allr / samples)
+    return RoutingStats(float(same / samples), float(rdoms / samples), float(rranks / samples),
+                        float(allr / samples))
 
 
 def _ranks_per_domain(ep: int, domain: int) -> int:
@@ -350,7 +351,7 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
 
 def _ffn_item(c: _Ctx, cost: ItemCost, width: int, params: float, flops_per_token: float) -> None:
     """A TP-split SwiGLU FFN (dense FFN or the shared experts)."""
-    s, p, n, h = c.shape, c.plan, c.n, c.shape.dim
+    p, n, h = c.plan, c.n, c.shape.dim
     if width <= 0:
         return
     T = c.tok_mb / p.cp
@@ -409,8 +410,9 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     act = 2 * h + normed + 4 * s.n_experts + k * c.imb * (q * h + swiglu_in + swiglu_out + 8)
     cost.act_bytes += n * act
     # expert all-to-all: dispatch + combine forward, the same two directions in backward
-    d_b = FP8_BYTES if p.dispatch_precision == "fp8" else 2.0
-    passes = [d_b, 2.0, d_b, 2.0]
+    act_b = 4.0 if p.precision == "fp32" else 2.0
+    d_b = FP8_BYTES if p.dispatch_precision == "fp8" else act_b
+    passes = [d_b, act_b, d_b, act_b]
     if p.recompute == "full":
         passes += [d_b, 2.0]
     if p.ep > 1:
@@ -696,8 +698,11 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
             # FSDP: every micro-batch all-gathers the rank's parameters in its forward and again in its backward;
             # exposed on CPUs (gloo shares the cores), else hidden behind compute except the first layer's
             pdd, ped = dev_params(sts)
-            t_ag = 2 * (dp_time(pdd, g_dense, plan.tp, c.param_bytes) + dp_time(ped, g_exp, plan.ep, c.param_bytes))
             n_it = sum(len(stages[s_idx]) for s_idx in sts)
+            lat = c.a2a_lat if spec.generation == "cpu" else TP_COLLECTIVE_LATENCY_S
+            units = n_it + sum(1 for s_idx in sts for k in stages[s_idx] if k in ("t", "m") and plan.edp > 1)
+            t_ag = 2 * (dp_time(pdd, g_dense, plan.tp, c.param_bytes) + dp_time(ped, g_exp, plan.ep, c.param_bytes)
+                        + (units * lat if g_dense > 1 else 0.0))
             dev_c = sum(costs[k].compute_s for s_idx in sts for k in stages[s_idx])
             t_ag = t_ag if spec.generation == "cpu" else max(t_ag / max(1, n_it), t_ag - dev_c)
             parts["comm"] += t_ag
@@ -719,6 +724,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
         dev_time.append(t_total)
         dev_parts.append(parts)
     m = plan.n_microbatches
+    dev_time = [float(t) for t in dev_time]
     slow = int(np.argmax(dev_time))
     t_max, t_mean = dev_time[slow], float(np.mean(dev_time))
     if plan.pp == 1:
@@ -753,7 +759,6 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
     mem = max(mems, key=lambda mb: mb.total)
 
     # data-parallel gradient reduce-scatter + parameter all-gather (hierarchical: NVLink inside, NIC across)
-    mslow = mems[slow]
     pd_slow = sum(costs[k].params_dense for s_idx in dev_stages[slow] for k in stages[s_idx])
     pe_slow = sum(costs[k].params_expert for s_idx in dev_stages[slow] for k in stages[s_idx])
 
@@ -776,7 +781,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
 
     parts = dev_parts[slow]
     # split the compute of the slowest rank by kernel class (the overlap slowdown spread pro rata)
-    sub = {"dense GEMM": 0.0, "expert GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "recompute": 0.0}
+    sub = {"dense GEMM": 0.0, "expert GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "recompute/overhead": 0.0}
     for s_idx in dev_stages[slow]:
         for k in stages[s_idx]:
             ck = costs[k]
@@ -784,7 +789,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
             sub["expert GEMM"] += ck.grouped_s
             sub["attention"] += ck.attn_s
             sub["memory-bound"] += ck.mem_s
-            sub["recompute"] += ck.recompute_s + ck.overhead_s
+            sub["recompute/overhead"] += ck.recompute_s + ck.overhead_s
     tot = sum(sub.values()) or 1.0
     compute = m * parts["compute"]
     step = StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
@@ -826,5 +831,4 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
     pred.mfu_bf16 = pred.tflops_per_gpu * 1e12 / c._peak("bf16")
     if mem.total > 0.95 * limit:
         pred.message = f"fits with little headroom ({mem.total:.1f} of {limit:g} GiB)"
-    del mslow
     return pred

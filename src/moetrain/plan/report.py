@@ -18,6 +18,12 @@ COLORS = {"compute": "#4C72B0", "exposed_a2a": "#DD8452", "other_comm": "#55A868
           "optimizer": "#8172B3"}
 
 
+def _num(x: float, unit: str = "") -> str:
+    """1,648.0 for large numbers, 4 significant digits for small ones (CPU runs)."""
+    s = f"{x:,.1f}" if abs(x) >= 100 else f"{x:.4g}"
+    return s + unit
+
+
 def _console(file: Any = None):
     from rich.console import Console
 
@@ -45,9 +51,9 @@ def prediction_table(pred: Prediction, record: Record | None = None):
                                           if x > 0.0005 * step) + ")"
             t.add_row(f"  {label}", f"{v:.3f} s", note)
         t.add_row("step time", f"{step:.3f} s", f"{pred.plan.n_microbatches} micro-batches per pipeline")
-        t.add_row("tokens/s per GPU", f"{pred.tokens_per_s_per_gpu:,.0f}", "")
-        t.add_row("TFLOP/s per GPU", f"{pred.tflops_per_gpu:,.1f}",
-                  f"{pred.flops_per_token / 1e9:.1f} GFLOP/token (Megatron accounting)")
+        t.add_row("tokens/s per GPU", _num(pred.tokens_per_s_per_gpu), "")
+        t.add_row("TFLOP/s per GPU", _num(pred.tflops_per_gpu),
+                  f"{_num(pred.flops_per_token / 1e9)} GFLOP/token (Megatron accounting)")
         t.add_row("MFU", f"{pred.mfu:.1%}", f"of the {pred.plan.precision} peak ({pred.mfu_bf16:.1%} of BF16)")
         if record is not None:
             err = pred.tflops_per_gpu / record.tflops_per_gpu - 1
@@ -57,7 +63,7 @@ def prediction_table(pred: Prediction, record: Record | None = None):
                       f"+-{record.tolerance:.0%})")
     m = pred.memory
     t.add_row("memory per GPU", f"{m.total:.1f} GiB",
-              f"of {pred.memory_limit_gib:g}: weights {m.weights:.1f} + FP8 copies {m.fp8_weights:.1f} + grads "
+              f"of {pred.memory_limit_gib:.0f}: weights {m.weights:.1f} + FP8 copies {m.fp8_weights:.1f} + grads "
               f"{m.gradients:.1f} + optimizer {m.optimizer:.1f} + activations {m.activations:.1f} + reserved "
               f"{m.reserved:.1f} (pipeline rank {m.device})")
     if pred.fits and pred.message:
@@ -191,7 +197,7 @@ def _plt():
 
 
 SUB_COLORS = {"dense GEMM": "#4C72B0", "expert GEMM": "#6C8EBF", "attention": "#8FAADC", "memory-bound": "#B4C7E7",
-              "recompute": "#D9E2F3"}
+              "recompute/overhead": "#D9E2F3"}
 
 
 def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels: Sequence[str] | None = None,

@@ -10,11 +10,10 @@ model) unless the base plan forbids it with ``allow_overlap=False``.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from moetrain.plan.hardware import GPUSpec, HardwareError, get_gpu
+from moetrain.plan.hardware import GPUSpec, get_gpu
 from moetrain.plan.model import Prediction, predict
 from moetrain.plan.plan import Plan, PlanError, default_items
 from moetrain.plan.shape import ModelShape, load_shape
@@ -283,6 +282,3 @@ def parse_counts(text: str) -> list[int]:
         raise ValueError(f"bad GPU counts {text!r}; e.g. 64,128,256 or 64-8192")
     return vals
 
-
-def _unused() -> None:  # pragma: no cover - keep imports referenced for type checkers
-    del math, field, HardwareError

@@ -70,6 +70,23 @@ class MetricsSink:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
         from rich.console import Console
         self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.progress = None
+        self._task = None
+
+    def start_progress(self, total: int, completed: int) -> None:
+        """A live progress bar (steps, elapsed, remaining) when the console is a terminal; log lines scroll above."""
+        if not self.console.is_terminal:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+            TimeRemainingColumn
+        self.progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[status]}"), console=self.console)
+        self._task = self.progress.add_task("train", total=total, completed=completed, status="")
+        self.progress.start()
+
+    def advance(self, status: str = "") -> None:
+        if self.progress is not None:
+            self.progress.update(self._task, advance=1, status=status)
 
     def write(self, record: dict[str, Any]) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
@@ -84,6 +101,8 @@ class MetricsSink:
         self.console.print(text, markup=False)
 
     def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.accounting import flops_per_token
-from moetrain.config import JobConfig
+from moetrain.config import JobConfig, save_job_config
 from moetrain.data import TokenLoader, iter_eval_batches
 from moetrain.data.prepare import PreparedData
 from moetrain.model.transformer import Transformer, build_model
@@ -108,6 +108,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
             loader.load_state_dict(state["loader"])
             start_step, last_ckpt = state["step"], ckpt
     sink = MetricsSink(tc.out_dir, tc.tensorboard, append=start_step > 0) if ctx.is_main else None
+    if sink:
+        save_job_config(job, Path(tc.out_dir) / "config.toml")
 
     fpt = flops_per_token(cfg, job.data.seq_len)
     peak_tflops, peak_label = device_peak(ctx.device, amp)
@@ -132,6 +134,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
             sink.print(f"step {0:>5} | val loss {v:.4f}")
 
     moe_layers = model.moe_layers()
+    if sink:
+        sink.start_progress(tc.steps, start_step)
     window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
     result = None
     for step in range(start_step, tc.steps):
@@ -148,6 +152,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
         window_tokens += tokens_per_step
         window_steps += 1
         done = step + 1
+        if sink:
+            sink.advance(f"loss {result.loss:.3f}")
         if done % tc.log_every == 0 or done == tc.steps:
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -164,6 +170,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
                    "a2a_s_per_step": a2a / window_steps, "a2a_exposed_s_per_step": exposed / window_steps,
                    "a2a_exposed_share": exposed / a2a if a2a > 0 else 0.0,
                    "a2a_share_of_step": exposed / dt if dt > 0 else 0.0,
+                   "a2a_s_per_layer": [m.dispatcher.stats.a2a_seconds / window_steps for m in moe_layers],
+                   "a2a_exposed_s_per_layer": [m.dispatcher.stats.exposed_seconds / window_steps for m in moe_layers],
                    "load_imbalance_max": max(imb) if imb else 1.0, "load_imbalance": imb,
                    "dropped_tokens": result.dropped_tokens, "peak_mem_gb": peak_memory_gb(ctx.device),
                    "expert_load": result.tokens_per_expert_ME.tolist()}
