@@ -221,7 +221,7 @@ def tiny() -> ModelConfig:
     """A few-million-parameter model that trains on a CPU in minutes yet keeps every V3 feature: MLA with q_lora,
     4 expert groups with group-limited routing, a shared expert, a dense first layer, MTP depth 1, YaRN RoPE."""
     return ModelConfig(
-        vocab_size=4096, dim=128, n_layers=4, n_dense_layers=1, dense_ffn_dim=384, expert_ffn_dim=64,
+        vocab_size=2048, dim=128, n_layers=4, n_dense_layers=1, dense_ffn_dim=384, expert_ffn_dim=64,
         n_routed_experts=16, n_shared_experts=1, top_k=4, n_expert_groups=4, n_limited_groups=2,
         n_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         rope_factor=4.0, rope_original_seq_len=256, max_seq_len=1024, mtp_depth=1, init_std=0.02,

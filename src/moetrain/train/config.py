@@ -33,8 +33,8 @@ class TrainConfig:
         threads_per_proc: CPU threads per worker (0 = cores / workers).
     """
 
-    steps: int = 200
-    micro_batch_size: int = 8
+    steps: int = 400
+    micro_batch_size: int = 32
     grad_accum: int = 1
     lr: float = 4e-3
     min_lr: float = 4e-4
@@ -47,9 +47,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 50
+    eval_every: int = 100
     eval_batches: int = 4
-    ckpt_every: int = 50
+    ckpt_every: int = 100
     keep_ckpts: int = 2
     out_dir: str = "runs/default"
     resume: bool = False
