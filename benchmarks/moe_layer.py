@@ -42,10 +42,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     T = s.batch * s.seq_len
     if system == "hf[batched_mm]":
         need = hf_batched_mm_bytes(cfg, T, 1)
-        if need > 0.5 * available_ram_bytes():
+        if need > 0.5 * available_ram_bytes(s.device):
             return {"skipped": f"HF batched_mm copies the expert weights per routed token: ~{need / 2**30:.1f} GiB "
                                f"for one layer's fwd+bwd at {T} tokens, over half of this machine's available "
-                               f"{available_ram_bytes() / 2**30:.1f} GiB"}
+                               f"{available_ram_bytes(s.device) / 2**30:.1f} GiB"}
     if system.startswith("moetrain+patch"):
         P.apply(spec.get("patches", []))
     dev = s.device

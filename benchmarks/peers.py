@@ -83,7 +83,10 @@ def hf_batched_mm_bytes(cfg: ModelConfig, tokens: int, n_layers: int) -> float:
     return 2.0 * per_layer * n_layers
 
 
-def available_ram_bytes() -> float:
+def available_ram_bytes(device: str = "cpu") -> float:
+    """Memory free for tensors: CUDA free memory on a GPU, else MemAvailable."""
+    if device == "cuda":
+        return float(torch.cuda.mem_get_info()[0])
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -110,9 +113,43 @@ def hf_moe_from_moetrain(moe, cfg: ModelConfig, impl: str) -> nn.Module:
 
 
 def hf_causal_lm(ckpt_dir: str | Path, impl: str, device: str):
+    """HF model loaded with ``from_pretrained`` from the checkpoint moetrain wrote (``save_hf_checkpoint``)."""
     from transformers import DeepseekV3ForCausalLM
     m = DeepseekV3ForCausalLM.from_pretrained(str(ckpt_dir), dtype=torch.float32, experts_implementation=impl,
                                               attn_implementation="sdpa")
+    return m.to(device).train()
+
+
+def hf_causal_lm_from_moetrain(src: nn.Module, cfg: ModelConfig, impl: str, device: str):
+    """HF model with ``src``'s weights copied in memory (no checkpoint on disk: used on GPU, where the model is too
+    large to write and read back within the suite's time budget). Names follow moetrain.interop.hf's table; the
+    experts go to transformers v5's stacked layout (gate_up_proj = [w1; w3], down_proj = w2)."""
+    from transformers import DeepseekV3ForCausalLM
+    hcfg = hf_config(cfg, impl)
+    hcfg.torch_dtype = torch.float32
+    with torch.device(device):
+        m = DeepseekV3ForCausalLM(hcfg)  # real buffers (rotary tables); its random weights are overwritten below
+    ours = dict(src.named_parameters()) | dict(src.named_buffers())
+    sd: dict[str, torch.Tensor] = {}
+    for k in m.state_dict():
+        name = k.removeprefix("model.")
+        t = None
+        if ".mlp.experts.gate_up_proj" in k:
+            base = name.replace("experts.gate_up_proj", "experts.")
+            t = torch.cat([ours[base + "w1_EFD"], ours[base + "w3_EFD"]], dim=1)
+        elif ".mlp.experts.down_proj" in k:
+            t = ours[name.replace("experts.down_proj", "experts.w2_EDF")]
+        elif name.endswith("gate.e_score_correction_bias"):
+            t = ours[name.replace("e_score_correction_bias", "expert_bias")]
+        else:
+            for hf_w, our_w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                name = name.replace(f"mlp.{hf_w}.", f"mlp.{our_w}.").replace(f"shared_experts.{hf_w}.",
+                                                                               f"shared_experts.{our_w}.")
+            t = ours.get(name)
+        if t is None:
+            raise RuntimeError(f"HF tensor {k} has no moetrain counterpart")
+        sd[k] = t.detach()
+    m.load_state_dict(sd, strict=True)
     return m.to(device).train()
 
 
@@ -159,14 +196,18 @@ def titan_model_config(cfg: ModelConfig, sdpa: bool = True):
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
                                 scaling="none"))
-    if sdpa:
-        for lc in layers:
+    from moetrain.model.attention import LATENT_NORM_EPS
+    for lc in layers:
+        if sdpa:
             lc.attention.inner_attention = ScaledDotProductAttention.Config()
+        # TorchTitan's RMSNorm default eps is 1e-5; use the model's (and the fixed latent-norm eps of DeepSeek/HF).
+        lc.attention_norm.eps = lc.ffn_norm.eps = cfg.norm_eps
+        lc.attention.q_norm.eps = lc.attention.kv_norm.eps = LATENT_NORM_EPS
     return DeepSeekV3Model.Config(
         vocab_size=cfg.vocab_size, dim=cfg.dim,
         tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=cfg.dim,
                                         param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=cfg.dim, param_init=_NORM_INIT),
+        norm=RMSNorm.Config(normalized_shape=cfg.dim, param_init=_NORM_INIT, eps=cfg.norm_eps),
         lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size,
                               param_init=_output_linear_init(cfg.dim)),
         layers=layers, mtp_layers=[])
@@ -250,6 +291,16 @@ def torchtitan_import_error() -> str | None:
 def peer_site_path() -> list[str]:
     from common import PEER_SITE
     return [str(PEER_SITE)] if PEER_SITE.exists() else []
+
+
+def peer_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
+    """AdamW with moetrain's settings and grouping (decay on matrices, none on vectors), in the implementation the
+    peers use by default: the fused kernel (HF Trainer ``optim="adamw_torch_fused"`` for torch >= 2.8; TorchTitan
+    ``implementation="fused"``)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
 def rel_diff(a: float, b: float) -> float:

@@ -19,8 +19,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     import patches as P
-    from moetrain.train.optim import build_optimizer
-    from peers import hf_causal_lm
+    import moetrain.train.optim as optim
+    from peers import hf_causal_lm, peer_optimizer
 
     s = Settings.from_dict(spec["settings"])
     setup_process(s)
@@ -37,14 +37,19 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from moetrain.train.step import train_step
         model = build_model(cfg, device=s.device, seed=0)
         ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device=s.device)
-        opt = build_optimizer(model, lr=s.lr)
+        opt = optim.build_optimizer(model, lr=s.lr)
         amp = torch.bfloat16 if s.device == "cuda" else None
 
         def step():
             train_step(model, opt, [(x, y)], cfg, ctx, autocast_dtype=amp)
     else:
-        model = hf_causal_lm(spec["ckpt"], system[3:-1], s.device)
-        opt = build_optimizer(model, lr=s.lr)
+        if s.device == "cuda":
+            from moetrain.model.transformer import build_model
+            from peers import hf_causal_lm_from_moetrain
+            model = hf_causal_lm_from_moetrain(build_model(cfg, device=s.device, seed=0), cfg, system[3:-1], s.device)
+        else:
+            model = hf_causal_lm(spec["ckpt"], system[3:-1], s.device)
+        opt = peer_optimizer(model, lr=s.lr)
         params = list(model.parameters())
 
         def step():
@@ -74,7 +79,7 @@ def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str], log=p
     from pathlib import Path
     out: dict[str, Any] = {}
     ckpt = str(Path(ref_dir) / "hf_ckpt")
-    if any(x.startswith("hf[") for x in systems) and not Path(ckpt).exists():
+    if s.device == "cpu" and any(x.startswith("hf[") for x in systems) and not Path(ckpt).exists():
         run_isolated("train_step:make_checkpoint", {"settings": s.to_dict(), "path": ckpt}, timeout=300)
     for system in systems:
         r = run_isolated("profile_step:child", {"settings": s.to_dict(), "system": system, "patches": patches,

@@ -3,8 +3,10 @@ and peak memory of moetrain vs HF ``DeepseekV3ForCausalLM`` (each expert impleme
 
 Same work for all: the benchmark config (``peers.bench_config``: no MTP, plain RoPE), the same weights (moetrain's
 ``build_model(cfg, seed=0)``, handed to HF through ``save_hf_checkpoint`` -> ``from_pretrained`` and to TorchTitan by
-name), the same batch, the same optimizer (``moetrain.train.optim.build_optimizer``: torch AdamW, betas 0.9/0.95,
-weight decay 0.1 on matrices, eps 1e-8, ``foreach=False``) for every system. moetrain's step also computes its
+name), the same batch, and the same optimizer settings: torch AdamW, lr 1e-4, betas 0.9/0.95, eps 1e-8, weight decay 0.1 on
+matrices and none on vectors, gradient clipping at norm 1.0. Each system uses its own default AdamW *implementation*:
+moetrain its ``build_optimizer`` (``foreach=False`` in src), HF and TorchTitan the fused kernel (``fused=True``: the
+HF Trainer default ``adamw_torch_fused`` for torch >= 2.8, TorchTitan's default ``implementation="fused"``). moetrain's step also computes its
 sequence-wise balance loss and updates the router biases (HF does neither; this is extra work on moetrain's side).
 TFLOP/s use one FLOP count for all systems: ``moetrain.accounting.flops_per_token(cfg, L).megatron``.
 
@@ -43,8 +45,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     import patches as P
     from moetrain.accounting import flops_per_token
-    from moetrain.train.optim import build_optimizer
-    from peers import available_ram_bytes, bench_config, hf_batched_mm_bytes, hf_causal_lm, titan_model_from_moetrain
+    import moetrain.train.optim as optim
+    from peers import (available_ram_bytes, bench_config, hf_batched_mm_bytes, hf_causal_lm, hf_causal_lm_from_moetrain,
+                       peer_optimizer, titan_model_from_moetrain)
 
     s = Settings.from_dict(spec["settings"])
     system = spec["system"]
@@ -53,10 +56,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     T = s.batch * s.seq_len
     if system == "hf[batched_mm]":
         need = hf_batched_mm_bytes(cfg, T, cfg.n_moe_layers)
-        if need > 0.5 * available_ram_bytes():
+        if need > 0.5 * available_ram_bytes(s.device):
             return {"skipped": f"HF batched_mm copies the expert weights per routed token: ~{need / 2**30:.0f} GiB "
                                f"for {cfg.n_moe_layers} MoE layers' fwd+bwd at {T} tokens, over half of this "
-                               f"machine's available {available_ram_bytes() / 2**30:.1f} GiB"}
+                               f"{s.device} memory available ({available_ram_bytes(s.device) / 2**30:.1f} GiB)"}
     if system.startswith("moetrain+patch"):
         P.apply(spec.get("patches", []))
     dev = torch.device(s.device)
@@ -74,15 +77,22 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             for m in model.moe_layers():
                 m.experts.use_grouped_mm = False
         ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device=s.device)
-        opt = build_optimizer(model, lr=s.lr)
+        opt = optim.build_optimizer(model, lr=s.lr)  # moetrain's own optimizer builder (patched or not)
         amp = torch.bfloat16 if (s.device == "cuda" and s.dtype == "bf16") else None
 
         def step() -> float:
             return train_step(model, opt, [(x, y)], cfg, ctx, max_grad_norm=1.0, autocast_dtype=amp).lm_loss
     elif system.startswith("hf["):
-        probe.start()
-        model = hf_causal_lm(spec["ckpt"], system[3:-1], s.device)
-        opt = build_optimizer(model, lr=s.lr)
+        if spec.get("in_memory"):
+            from moetrain.model.transformer import build_model
+            ref = build_model(cfg, device=dev, seed=0)
+            probe.start()
+            model = hf_causal_lm_from_moetrain(ref, cfg, system[3:-1], s.device)
+            del ref
+        else:
+            probe.start()
+            model = hf_causal_lm(spec["ckpt"], system[3:-1], s.device)
+        opt = peer_optimizer(model, lr=s.lr)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> float:
@@ -99,7 +109,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         probe.start()
         model = titan_model_from_moetrain(ref, cfg, s.device, fp32_experts=s.device == "cpu")
         del ref
-        opt = build_optimizer(model, lr=s.lr)
+        opt = peer_optimizer(model, lr=s.lr)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> float:
@@ -157,14 +167,16 @@ def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None
     systems = systems or _systems(patches)
     ckpt = str(Path(ref_dir) / "hf_ckpt")
     res: dict[str, Any] = {"metric": "tokens_per_s", "rows": []}
-    if any(x.startswith("hf[") for x in systems):
+    in_memory = s.device == "cuda"  # on GPU the HF peers get the weights in memory (see peers.hf_causal_lm_from_moetrain)
+    if any(x.startswith("hf[") for x in systems) and not in_memory:
         mk = run_isolated("train_step:make_checkpoint", {"settings": s.to_dict(), "path": ckpt}, timeout=300)
         if "error" in mk:
             log(f"    checkpoint for the HF peers failed: {mk['error'][:300]}")
             systems = [x for x in systems if not x.startswith("hf[")]
             res["hf_checkpoint_error"] = mk["error"]
     for system in systems:
-        spec = {"settings": s.to_dict(), "system": system, "patches": patches, "ref_dir": ref_dir, "ckpt": ckpt}
+        spec = {"settings": s.to_dict(), "system": system, "patches": patches, "ref_dir": ref_dir, "ckpt": ckpt,
+                "in_memory": in_memory}
         extra = peer_site_path() if system == "torchtitan" else None
         r = run_isolated("train_step:child", spec, timeout=600, extra_path=extra)
         r["system"] = system
