@@ -110,7 +110,7 @@ def test_capacity_padding_gives_same_result():
     padded = _ok(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0, "pad_to_capacity": True}, 24, 0.5))
     unpadded = _ok(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0}, 24, 0.5))
     torch.testing.assert_close(torch.cat([r["y"] for r in padded]), torch.cat([r["y"] for r in unpadded]))
-    assert sum(r["dispatch_stats"]["dropped_tokens"] for r in padded) > 0
+    assert sum(r["dropped"] for r in padded) > 0 and [r["dropped"] for r in padded] == [r["dropped"] for r in unpadded]
 
 
 def test_bad_sizes_fail_before_training():

@@ -113,7 +113,7 @@ def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: fl
                 pass  # FSDP already summed non-expert grads over all ranks
             grads[name.replace("layer.", "")] = gr.detach().clone()
     return {"y": y.detach(), "x_grad": x.grad.detach(), "grads": grads, "counts": stats.tokens_per_expert_E,
-            "dispatch_stats": vars(layer.dispatcher.stats).copy()}
+            "dropped": int(stats.dropped)}
 
 
 def mismatched_config_run() -> str:

@@ -70,3 +70,43 @@ def test_unreadable_config_file(capsys, tmp_path):
     f.write_text("[train\nsteps = 3")
     code, err, _ = _train(capsys, "--config", str(f))
     assert code == 2 and "cannot parse" in err
+
+
+def _fake_checkpoint(run, step=10, **model_changes):
+    from moetrain.model.config import tiny
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"model_config": tiny().replace(**model_changes).to_dict(),
+                                                         "step": step, "loader": {"seq_len": 64}}))
+    (ckpt / "COMPLETE").write_text(f"{step}\n")
+    return ckpt
+
+
+def test_fresh_run_into_a_directory_with_checkpoints(capsys, tmp_path):
+    _fake_checkpoint(tmp_path / "run")
+    code, err, _ = _train(capsys, "--out", str(tmp_path / "run"))
+    assert code == 2 and "already holds checkpoints" in err and "--resume" in err
+
+
+def test_damaged_checkpoint(capsys, tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "run")
+    code, err, _ = _train(capsys, "--resume", "--out", str(tmp_path / "run"))
+    assert code == 2 and "damaged" in err and ckpt.name in err
+
+
+def test_resume_past_the_last_step(capsys, tmp_path):
+    ckpt = _fake_checkpoint(tmp_path / "run", step=10)
+    (ckpt / ".metadata").write_text("x")
+    (ckpt / "__0_0.distcp").write_text("x")
+    code, err, _ = _train(capsys, "--resume", "--steps", "8", "--out", str(tmp_path / "run"))
+    assert code == 2 and "nothing to do" in err
+
+
+def test_local_dispatcher_with_ep2(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--set", 'parallel.dispatcher="local"', "--out", str(tmp_path / "run"))
+    assert code == 2 and "dispatcher='local'" in err
+
+
+def test_wrong_value_types(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--set", "train.resume=False", "--out", str(tmp_path / "run"))
+    assert code == 2 and "train.resume" in err and "true or false" in err

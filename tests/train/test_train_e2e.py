@@ -92,6 +92,7 @@ def test_sigkill_then_resume_reproduces_the_loss_curve(uninterrupted, cache, tmp
     os.kill(workers[-1], signal.SIGKILL)
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, log
+    assert "a training worker failed" in log and "rerun with --resume" in log, log[-2000:]
     # Every checkpoint left behind is complete (in-progress saves live in .tmp-* and are never read).
     ckpts = sorted((out / "checkpoints").glob("step_*"))
     assert ckpts and all((c / "COMPLETE").is_file() and (c / ".metadata").is_file() for c in ckpts)
@@ -100,6 +101,9 @@ def test_sigkill_then_resume_reproduces_the_loss_curve(uninterrupted, cache, tmp
 
     p = subprocess.run(_cmd(out, cache, "--resume"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
+    steps_logged = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()
+                    if json.loads(l).get("kind") == "train"]
+    assert steps_logged == list(range(1, STEPS + 1))  # each step once: the killed run's extra records are dropped
     got, want = _losses(out), _losses(full_out)
     later = [s for s in range(resumed_from + 1, STEPS + 1)]
     assert all(s in got for s in later)

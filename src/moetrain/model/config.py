@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -197,7 +199,33 @@ def from_dict_strict(cls: type, d: dict[str, Any], section: str) -> Any:
     unknown = sorted(set(d) - names)
     if unknown:
         raise ConfigError(f"unknown field(s) {unknown} in [{section}]; valid fields: {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in d.items():
+        _check_type(f"{section}.{name}", value, hints[name])
     return cls(**d)
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    """Reject values of the wrong type (a string where a bool or number belongs, ...) with a ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        tp = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{name}={value!r}; allowed: {', '.join(repr(a) for a in args)}")
+        return
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}.get(tp)
+    if origin is list:
+        ok = lambda v: isinstance(v, (list, tuple))  # noqa: E731
+    if ok is not None and not ok(value):
+        want = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "a list")
+        raise ConfigError(f"{name}={value!r} must be {want}")
 
 
 # ---- presets -------------------------------------------------------------------------------------------------

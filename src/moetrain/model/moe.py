@@ -278,6 +278,7 @@ class PermuteState:
     row_weight_S: torch.Tensor
     n_tokens: int
     extra: Any = None
+    dropped: torch.Tensor | int = 0  # token-expert assignments dropped by the capacity limit
 
 
 def permute(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, n_experts: int,
@@ -342,9 +343,9 @@ class _Done:
 
 @dataclass
 class DispatchStats:
-    """Per-layer counters a dispatcher accumulates between ``reset`` calls (read by the trainer's metrics)."""
+    """Per-layer communication timers a dispatcher accumulates until the trainer resets them (metrics only; token
+    counts travel in :class:`MoEStats` so that activation recomputation cannot count them twice)."""
 
-    dropped_tokens: int = 0
     a2a_seconds: float = 0.0
     exposed_seconds: float = 0.0
     calls: int = 0
@@ -362,9 +363,9 @@ class LocalDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor) -> _Done:
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
-        if keep_TK is not None:
-            self.stats.dropped_tokens += int((~keep_TK).sum())
         x_SD, counts_E, state = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
+        if keep_TK is not None:
+            state.dropped = (~keep_TK).sum()
         if keep_TK is not None and self.capacity.pad:
             x_SD, counts_E, state.extra = pad_to_capacity(x_SD, counts_E, capacity)
         return _Done(x_SD, counts_E, state)
@@ -399,10 +400,12 @@ class MoEStats:
         tokens_per_expert_E: int64 counts of assignments per routed expert (all E, before capacity drops) -- the
             load used by auxiliary-loss-free balancing and the load-imbalance metrics.
         balance_loss_sum: sequence-wise balance loss summed over this micro-batch's sequences (fp32 scalar, no alpha).
+        dropped: token-expert assignments dropped by the capacity limit (int64 scalar; 0 when dropless).
     """
 
     tokens_per_expert_E: torch.Tensor
     balance_loss_sum: torch.Tensor
+    dropped: torch.Tensor | int = 0
 
 
 class MoE(nn.Module):
@@ -410,7 +413,8 @@ class MoE(nn.Module):
 
     forward(x_BLD) -> (y_BLD, MoEStats). ``dispatcher`` defaults to :class:`LocalDispatcher`; ``n_chunks > 1`` splits
     the tokens into chunks whose dispatch/combine overlap the other chunks' expert GEMMs (useful with an
-    asynchronous all-to-all dispatcher; results are identical to n_chunks = 1).
+    asynchronous all-to-all dispatcher). Dropless results are identical to n_chunks = 1; in capacity mode each chunk
+    is a dispatch of its own, so capacity is computed per chunk, as it is per micro-batch.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -439,10 +443,12 @@ class MoE(nn.Module):
         pending = [self.dispatcher.dispatch(x_TD[c], r.topk_idx_TK[c], r.topk_weight_TK[c]) for c in chunks]
         shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None  # overlaps dispatch
         combines = []
+        dropped: torch.Tensor | int = 0
         for handle in pending:
             x_SD, tokens_per_expert, state = handle.wait()
+            dropped = dropped + state.dropped
             y_SD = self.experts(x_SD, tokens_per_expert)
             combines.append(self.dispatcher.combine(y_SD, state))
         routed_TD = torch.cat([c.wait() for c in combines], dim=0).to(x_BLD.dtype)
         out_TD = routed_TD if shared_TD is None else routed_TD + shared_TD
-        return out_TD.view(B, L, D), MoEStats(counts_E, balance)
+        return out_TD.view(B, L, D), MoEStats(counts_E, balance, dropped)

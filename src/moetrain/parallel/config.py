@@ -74,6 +74,9 @@ class ParallelConfig:
         if world_size % self.ep:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.ep={self.ep}; launch a multiple "
                               f"of {self.ep} processes or change ep")
+        if self.dispatcher == "local" and self.ep > 1:
+            raise ConfigError(f"parallel.dispatcher='local' cannot move tokens between parallel.ep={self.ep} ranks; "
+                              f"use 'alltoall' or 'auto'")
         dp = self.dp or world_size // self.ep
         if dp * self.ep != world_size:
             raise ConfigError(f"parallel.dp={dp} x parallel.ep={self.ep} = {dp * self.ep} != world size {world_size}")

@@ -40,6 +40,7 @@ class _A2AState:
     regroup_N: torch.Tensor  # received row -> position in local-expert order
     pad_slots: torch.Tensor | None
     out_dtype: torch.dtype
+    dropped: torch.Tensor | int = 0
 
 
 class _DispatchHandle:
@@ -95,8 +96,6 @@ class AllToAllDispatcher:
                  ) -> _DispatchHandle:
         R, El = self.ep_size, self.n_local_experts
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
-        if keep_TK is not None:
-            self.stats.dropped_tokens += int((~keep_TK).sum())
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
         send_counts_RE = counts_E.view(R, El)
         recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats)
@@ -107,7 +106,8 @@ class AllToAllDispatcher:
             pending.wait(exposed_from_issue=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
         self.stats.calls += 1
-        state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype)
+        state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
+                          (~keep_TK).sum() if keep_TK is not None else 0)
         return _DispatchHandle(self, rows_N, pending, state, recv_counts_RE, capacity)
 
     def combine(self, y_local: torch.Tensor, state: _A2AState) -> _CombineHandle:

@@ -123,16 +123,40 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
     if ctx.is_main:
         state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist())
         (tmp / "trainer_state.json").write_text(json.dumps(state))
+        for f in tmp.iterdir():  # data on disk before the marker that declares it complete
+            _fsync(f)
         (tmp / "COMPLETE").write_text(f"{step}\n")
-        if final.exists():
-            shutil.rmtree(final)
+        _fsync(tmp / "COMPLETE")
+        if final.exists():  # same step saved again: move the old one aside, never delete before replacing
+            os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
+        _fsync(root)
         done = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()),
                       key=lambda p: p.name)
         for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            # Rename first: an interrupted delete must not leave a COMPLETE-marked directory missing shards.
+            trash = root / f".trash-{old.name}"
+            os.replace(old, trash)
+        for trash in root.glob(".trash-*"):
+            shutil.rmtree(trash, ignore_errors=True)
     _barrier(ctx)
     return final
+
+
+def check_checkpoint_files(path: str | Path) -> None:
+    """Raise CheckpointError if a complete-marked checkpoint lacks its DCP metadata or a shard file."""
+    path = Path(path)
+    if not (path / ".metadata").is_file() or not list(path.glob("*.distcp")):
+        raise CheckpointError(f"checkpoint {path} is damaged (DCP metadata or shards missing); delete that directory "
+                              f"to resume from the previous one")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:

@@ -15,6 +15,7 @@ experts and the world size, and a resumed checkpoint's model.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 from typing import Any
@@ -25,7 +26,7 @@ from moetrain.config import JobConfig, job_config_from_dict
 from moetrain.data import prepare_data
 from moetrain.data.prepare import PreparedData
 from moetrain.model.config import ConfigError
-from moetrain.train.checkpoint import latest_checkpoint
+from moetrain.train.checkpoint import check_checkpoint_files, latest_checkpoint
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -46,15 +47,35 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     job.parallel.resolve(world_size, job.model.n_routed_experts)
     if resolve_device(job) == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
-    if job.train.resume:
-        ckpt = latest_checkpoint(job.train.out_dir)
-        if ckpt is not None:
-            check_checkpoint_compatible(ckpt, job)
+    ckpt = latest_checkpoint(job.train.out_dir)
+    if job.train.resume and ckpt is not None:
+        state = check_checkpoint_compatible(ckpt, job)
+        check_checkpoint_files(ckpt)
+        saved = state.get("loader", {})
+        if saved.get("seq_len") not in (None, job.data.seq_len):
+            raise ConfigError(f"checkpoint {ckpt} was trained with data.seq_len={saved['seq_len']}; resume with "
+                              f"the same data.seq_len (got {job.data.seq_len})")
+        if state.get("step", 0) >= job.train.steps:
+            raise ConfigError(f"checkpoint {ckpt} is at step {state['step']} >= train.steps={job.train.steps}: "
+                              f"nothing to do; raise --steps to train further")
+    elif not job.train.resume and ckpt is not None:
+        raise ConfigError(f"{job.train.out_dir} already holds checkpoints (newest {ckpt.name}); pass --resume to "
+                          f"continue that run, or choose a new --out")
     prep = prepare_data(job.data)
     if prep.vocab_size > job.model.vocab_size:
         raise ConfigError(f"the tokenizer has {prep.vocab_size} tokens but model.vocab_size is "
                           f"{job.model.vocab_size}; set model.vocab_size >= {prep.vocab_size} or use a smaller "
                           f"tokenizer (data.vocab_size)")
+    need = (job.data.seq_len + 1) * world_size * job.train.micro_batch_size
+    for split, n in (("training", prep.n_train_tokens), ("validation", prep.n_val_tokens)):
+        if split == "validation" and not job.train.eval_every:
+            continue
+        if n < (job.data.seq_len + 1) * world_size:
+            raise ConfigError(f"the {split} split has {n} tokens, fewer than one {job.data.seq_len + 1}-token window "
+                              f"per rank ({world_size} ranks); add data or lower data.seq_len")
+    if prep.n_train_tokens < need:
+        print(f"[moetrain] note: {prep.n_train_tokens} training tokens < one global batch ({need}); the data "
+              f"will repeat within a step")
     return prep
 
 
@@ -86,8 +107,10 @@ def train_main(job: JobConfig) -> dict[str, Any] | None:
     except ChildFailedError as e:
         ckpt = latest_checkpoint(job.train.out_dir)
         hint = (f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written")
-        first = next(iter(e.failures.values()))
-        msg = first.message if isinstance(first.message, str) else str(first.message)
-        raise RuntimeError(f"a training worker failed (rank {first.rank}, exit code {first.exitcode}): "
-                           f"{msg.strip().splitlines()[-1] if msg.strip() else 'killed'}; {hint}") from None
+        rank, first = next(iter(e.failures.items()))  # keyed by global rank
+        msg = first.message if isinstance(first.message, str) else json.dumps(first.message)
+        reason = msg.strip().splitlines()[-1] if msg.strip() else f"killed by signal {-first.exitcode}" \
+            if first.exitcode < 0 else "no message"
+        raise RuntimeError(f"a training worker failed (rank {rank}, exit code {first.exitcode}): {reason}; "
+                           f"{hint}") from None
     return results[0]

@@ -60,14 +60,23 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsSink:
     """Writes metrics to ``out_dir/metrics.jsonl``, TensorBoard (optional) and the console. Rank 0 only."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, append: bool = False):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0):
+        """``resume_step > 0``: continue a run, dropping records logged after that step by the interrupted run (they
+        are about to be logged again), so every step appears once."""
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.dir / "metrics.jsonl", "a" if append else "w")
+        path = self.dir / "metrics.jsonl"
+        if resume_step and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(path)
+        self.jsonl = open(path, "a" if resume_step else "w")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
         from rich.console import Console
         self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.progress = None

@@ -31,7 +31,8 @@ class StepResult:
 
     loss: total objective; lm_loss / mtp_loss / balance_loss: its terms (mtp_loss is the mean over depths before
     lambda, balance_loss before alpha); grad_norm: before clipping; tokens_per_expert_ME: (M, E) loads summed over
-    all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: capacity drops summed over ranks."""
+    all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: token-expert assignments dropped by the
+    capacity limit, summed over micro-batches and ranks."""
 
     loss: float
     lm_loss: float
@@ -104,8 +105,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
     moe_layers = model.moe_layers()
     loads = torch.zeros(len(moe_layers), cfg.n_routed_experts, dtype=torch.int64, device=device)
     terms = torch.zeros(3, dtype=torch.float64, device=device)  # lm, mtp (mean over depths), balance
-    for moe in moe_layers:
-        moe.dispatcher.stats.dropped_tokens = 0
+    dropped = torch.zeros(1, dtype=torch.float64, device=device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if ctx.distributed and hasattr(model, "set_requires_gradient_sync"):
@@ -127,9 +127,9 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
         terms += torch.stack([lm.detach(), mtp.detach(), bal.detach()]).double()
         if out.moe_stats:
             loads += torch.stack([s.tokens_per_expert_E for s in out.moe_stats])
+            dropped += sum(s.dropped for s in out.moe_stats)
 
-    dropped = torch.tensor([sum(m.dispatcher.stats.dropped_tokens for m in moe_layers)], device=device)
-    packed = _all_reduce(torch.cat([terms, loads.flatten().double(), dropped.double()]), ctx, "metrics all-reduce")
+    packed = _all_reduce(torch.cat([terms, loads.flatten().double(), dropped]), ctx, "metrics all-reduce")
     terms = packed[:3]
     loads = packed[3:3 + loads.numel()].round().long().view_as(loads)
     gnorm = grad_norm_and_clip(model.parameters(), max_grad_norm, ctx)

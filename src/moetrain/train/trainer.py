@@ -107,7 +107,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
             state = load_checkpoint(ckpt, model, optimizer, ctx)
             loader.load_state_dict(state["loader"])
             start_step, last_ckpt = state["step"], ckpt
-    sink = MetricsSink(tc.out_dir, tc.tensorboard, append=start_step > 0) if ctx.is_main else None
+    sink = MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step) if ctx.is_main else None
     if sink:
         save_job_config(job, Path(tc.out_dir) / "config.toml")
 
