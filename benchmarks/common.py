@@ -93,8 +93,9 @@ def sync(s: Settings) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def time_fn(fn: Callable[[], Any], s: Settings, warmup: int | None = None, iters: int | None = None,
-            min_time: float = 0.0) -> dict[str, Any]:
-    """Run ``fn`` ``warmup`` times, then ``iters`` timed times (more while their sum is below ``min_time``).
+            min_time: float = 0.0, max_time: float = 30.0) -> dict[str, Any]:
+    """Run ``fn`` ``warmup`` times, then ``iters`` timed times (more while their sum is below ``min_time``; fewer,
+    but at least 2, once their sum passes ``max_time``, so that a slow peer cannot stretch the suite).
 
     Returns {"median_s", "min_s", "times_s"}; the median is the figure used for every ratio.
     """
@@ -105,6 +106,8 @@ def time_fn(fn: Callable[[], Any], s: Settings, warmup: int | None = None, iters
     sync(s)
     times: list[float] = []
     while len(times) < iters or (sum(times) < min_time and len(times) < 50):
+        if len(times) >= 2 and sum(times) > max_time:
+            break
         t0 = time.perf_counter()
         fn()
         sync(s)
@@ -177,6 +180,24 @@ def wait_for_quiet(threshold: float, max_wait_s: float, poll_s: float = 20.0, lo
                     "quiet": False}
         log(f"  waiting for a quiet machine: 1-min load {cur:.2f} >= {threshold} ...")
         time.sleep(poll_s)
+
+
+class Gate:
+    """Called before every measured system: waits for a quiet machine (unless disabled) and returns the load."""
+
+    def __init__(self, threshold: float = 0.7, max_wait_s: float = 300, enabled: bool = True,
+                 log: Callable[[str], None] = print):
+        self.threshold, self.max_wait_s, self.enabled, self.log = threshold, max_wait_s, enabled, log
+
+    def __call__(self) -> dict[str, Any]:
+        if not self.enabled:
+            cur = load1()
+            return {"load_at_start": cur, "waited_s": 0, "quiet": cur < self.threshold}
+        return wait_for_quiet(self.threshold, self.max_wait_s, log=self.log)
+
+
+def no_gate() -> dict[str, Any]:
+    return {"load_at_start": load1(), "waited_s": 0, "quiet": None}
 
 
 def machine_info(s: Settings) -> dict[str, Any]:

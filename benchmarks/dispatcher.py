@@ -105,7 +105,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
             if s.device == "cuda":
                 torch.cuda.synchronize()
 
-        n_warm, n_iter = (2, 4) if s.quick else (3, 10)
+        n_warm, n_iter = (2, 4) if s.quick else (2, 8)
         for _ in range(n_warm):
             step()
         moe.dispatcher.stats.a2a_seconds = moe.dispatcher.stats.exposed_seconds = 0.0

@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from common import MemoryProbe, Settings, autocast, run_isolated, setup_process, time_fn
+from common import MemoryProbe, Settings, autocast, load1, no_gate, run_isolated, setup_process, time_fn
 
 CHECK_RTOL = 1e-4
 
@@ -50,11 +50,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         P.apply(spec.get("patches", []))
     dev = s.device
     torch.manual_seed(0)
-    ref = MoE(cfg)
+    with torch.device(dev):
+        ref = MoE(cfg)
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0.0, cfg.init_std)
-    ref = ref.to(dev)
     g = torch.Generator().manual_seed(7)
     x0 = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
     gy = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
@@ -68,10 +68,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         fwd = lambda x: mod(x)[0]  # noqa: E731
     elif system.startswith("hf["):
         impl = system[3:-1]
-        mod = hf_moe_from_moetrain(ref, cfg, impl).to(dev).train()
+        mod = hf_moe_from_moetrain(ref, cfg, impl, dev).train()
         fwd = mod
     elif system == "torchtitan":
-        mod = titan_moe_from_moetrain(ref, cfg, fp32_experts=s.device == "cpu").to(dev)
+        mod = titan_moe_from_moetrain(ref, cfg, fp32_experts=s.device == "cpu", device=dev)
         fwd = mod
     else:
         raise ValueError(f"unknown system {system!r}")
@@ -96,26 +96,29 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         y_ref = torch.load(ref_path)
         err = (y.float().cpu() - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30)
         check = {"max_rel_err_vs_moetrain": err, "same_function": err <= (CHECK_RTOL if s.dtype == "fp32" else 2e-2)}
-    t = time_fn(step, s, min_time=0.0 if s.quick else 2.0)
+    t = time_fn(step, s, min_time=0.0 if s.quick else (0.5 if s.device == "cuda" else 2.0))
     b = flops_breakdown(cfg, s.seq_len)
     flops = T * (b.routed + b.shared)  # Megatron counting: routed + shared experts, fwd + bwd (router not counted)
     return {"system": system, "tokens": T, "tokens_per_s": T / t["median_s"], "tflops": flops / t["median_s"] / 1e12,
             **t, **probe.peak_mb(), **check}
 
 
-def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None = None, log=print
-        ) -> dict[str, Any]:
+def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None = None, log=print,
+        gate=no_gate) -> dict[str, Any]:
     from peers import TORCHTITAN_CPU_NOTES, peer_site_path
     rows = []
-    for system in systems or _systems(s, patches):
+    systems = systems or _systems(s, patches)
+    for system in systems:
         spec = {"settings": s.to_dict(), "system": system, "patches": patches, "ref_dir": ref_dir}
         extra = peer_site_path() if system == "torchtitan" else None
+        load = gate()
         r = run_isolated("moe_layer:child", spec, timeout=300, extra_path=extra)
         r["system"] = system
+        r["load_at_start"], r["load_at_end"], r["quiet"] = load["load_at_start"], load1(), load["quiet"]
         rows.append(r)
         log("    " + _row_line(r))
     res: dict[str, Any] = {"rows": rows, "metric": "tokens_per_s"}
-    if s.device == "cpu":
+    if s.device == "cpu" and "torchtitan" in systems:
         res["notes"] = ["torchtitan: " + n for n in TORCHTITAN_CPU_NOTES[1:2]]
     res["ratios"] = ratios(rows)
     return res

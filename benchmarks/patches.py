@@ -49,6 +49,31 @@ def _wgrad_layout() -> None:
     moe._GroupedMM.backward = staticmethod(backward)
 
 
+@patch("skip_row_mask", "moetrain.model.moe.grouped_mm: zero the rows past offs[-1] only when there are any. "
+       "moetrain's dispatchers never produce such rows (capacity padding fills each expert's slot and counts it), "
+       "yet every grouped GEMM paid a full-size torch.where in forward and another in backward. On the CPU the "
+       "check is free (offs is in host memory); on CUDA the torch.where stays, to keep the path free of syncs")
+def _skip_row_mask() -> None:
+    import torch
+
+    from moetrain.model import moe
+
+    original = moe.grouped_mm
+
+    def grouped_mm(x_SK, w_EKN, tokens_per_expert_E, counts=None, use_grouped_mm=True):  # type: ignore[no-untyped-def]
+        n_rows = x_SK.shape[0]
+        if (x_SK.device.type == "cpu" and use_grouped_mm
+                and moe._grouped_mm_supported(x_SK, x_SK.shape[-1], w_EKN.shape[-1])):
+            offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+            y = moe._GroupedMM.apply(x_SK, w_EKN.to(x_SK.dtype), offs_E)
+            if int(offs_E[-1]) == n_rows:
+                return y
+            return torch.where((torch.arange(n_rows, device=y.device) < offs_E[-1]).unsqueeze(-1), y, 0)
+        return original(x_SK, w_EKN, tokens_per_expert_E, counts, use_grouped_mm)
+
+    moe.grouped_mm = grouped_mm
+
+
 @patch("grad_norm_foreach", "moetrain.train.step.grad_norm_and_clip: torch._foreach_norm + torch._foreach_mul_ "
        "instead of g.float().pow(2).sum() and g.mul_(scale) per parameter (no full-size temporary per parameter; "
        "squaring tiny gradients into subnormal floats made pow() up to 10x slower on x86)")
@@ -96,4 +121,4 @@ def _fused_adamw() -> None:
     optim.build_optimizer = build_optimizer
 
 
-DEFAULT: list[str] = ["wgrad_layout", "grad_norm_foreach", "fused_adamw"]
+DEFAULT: list[str] = ["wgrad_layout", "skip_row_mask", "grad_norm_foreach", "fused_adamw"]

@@ -97,10 +97,11 @@ def available_ram_bytes(device: str = "cpu") -> float:
     return float("inf")
 
 
-def hf_moe_from_moetrain(moe, cfg: ModelConfig, impl: str) -> nn.Module:
+def hf_moe_from_moetrain(moe, cfg: ModelConfig, impl: str, device: str = "cpu") -> nn.Module:
     """A ``DeepseekV3MoE`` holding exactly the weights of moetrain MoE layer ``moe``."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-    hf = DeepseekV3MoE(hf_config(cfg, impl))
+    with torch.device(device):
+        hf = DeepseekV3MoE(hf_config(cfg, impl))
     with torch.no_grad():
         hf.gate.weight.copy_(moe.gate.weight)
         hf.gate.e_score_correction_bias.copy_(moe.gate.expert_bias)
@@ -259,13 +260,14 @@ def titan_model_from_moetrain(src: nn.Module, cfg: ModelConfig, device: str, fp3
     return model.train()
 
 
-def titan_moe_from_moetrain(moe, cfg: ModelConfig, fp32_experts: bool = True) -> nn.Module:
+def titan_moe_from_moetrain(moe, cfg: ModelConfig, fp32_experts: bool = True, device: str = "cpu") -> nn.Module:
     """TorchTitan's MoE module (standalone) with the weights of moetrain MoE layer ``moe``."""
     if fp32_experts:
         _titan_patch_fp32_experts()
     mc = titan_model_config(cfg)
     layer_cfg = mc.layers[cfg.n_dense_layers]
-    tm = layer_cfg.moe.build()
+    with torch.device(device):
+        tm = layer_cfg.moe.build()
     with torch.no_grad():
         tm.routed_experts.inner_experts.w1_EFD.copy_(moe.experts.w1_EFD)
         tm.routed_experts.inner_experts.w2_EDF.copy_(moe.experts.w2_EDF)

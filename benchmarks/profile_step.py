@@ -42,6 +42,23 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
         def step():
             train_step(model, opt, [(x, y)], cfg, ctx, autocast_dtype=amp)
+    elif system == "torchtitan":
+        import torch.nn.functional as F
+
+        from moetrain.model.transformer import build_model
+        from peers import titan_model_from_moetrain
+        model = titan_model_from_moetrain(build_model(cfg, device=s.device, seed=0), cfg, s.device,
+                                          fp32_experts=s.device == "cpu")
+        opt = peer_optimizer(model, lr=s.lr)
+        params = list(model.parameters())
+
+        def step():
+            with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.device == "cuda"):
+                loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     else:
         if s.device == "cuda":
             from moetrain.model.transformer import build_model
@@ -82,8 +99,10 @@ def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str], log=p
     if s.device == "cpu" and any(x.startswith("hf[") for x in systems) and not Path(ckpt).exists():
         run_isolated("train_step:make_checkpoint", {"settings": s.to_dict(), "path": ckpt}, timeout=300)
     for system in systems:
+        from peers import peer_site_path
         r = run_isolated("profile_step:child", {"settings": s.to_dict(), "system": system, "patches": patches,
-                                                "ckpt": ckpt}, timeout=400)
+                                                "ckpt": ckpt}, timeout=400,
+                         extra_path=peer_site_path() if system == "torchtitan" else None)
         out[system] = r
         if "error" in r:
             log(f"    {system}: ERROR {r['error'][:300]}")

@@ -29,9 +29,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Settings, load1, machine_info, machine_tag, wait_for_quiet  # noqa: E402
+from common import Gate, Settings, load1, machine_info, machine_tag, wait_for_quiet  # noqa: E402
 
 ALL_CASES = ("moe_layer", "train_step", "grouped_gemm", "dispatcher", "profile")
+GPU_CASES = ("train_step", "grouped_gemm", "moe_layer", "dispatcher", "profile")
 GOALS = {
     "train_step": ("moetrain training step tokens/s / fastest peer's (small preset)", ">=", 1.5),
     "grouped_gemm": ("routed-expert GEMMs FLOP/s (fwd+bwd) / one plain matmul of the same FLOPs", ">=", 0.70),
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--max-load", type=float, default=0.7, help="wait until the 1-min load average is below this")
     p.add_argument("--max-wait", type=float, default=600, help="seconds to wait for a quiet machine per case")
+    p.add_argument("--max-wait-system", type=float, default=120,
+                   help="seconds to wait again before each system of moe_layer / train_step")
     p.add_argument("--no-wait", action="store_true", help="do not wait for a quiet machine (load still recorded)")
     return p.parse_args(argv)
 
@@ -81,6 +84,8 @@ def settings_from(a: argparse.Namespace) -> Settings:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     s = settings_from(a)
+    if a.gpu and a.cases == ",".join(ALL_CASES):
+        a.cases = ",".join(GPU_CASES)  # one GPU: no EP=2 (needs 2 GPUs); keeps the run near 5 minutes
     cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     bad = sorted(set(cases) - set(ALL_CASES))
     if bad:
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 load = wait_for_quiet(a.max_load, a.max_wait, log=lambda m: print(m, flush=True))
             t0 = time.time()
             try:
-                results["cases"][case] = run_case(case, s, patch_names, ref_dir, systems, results)
+                gate = Gate(a.max_load, a.max_wait_system, enabled=not (a.no_wait or s.device == "cuda"),
+                            log=lambda m: print(m, flush=True))
+                results["cases"][case] = run_case(case, s, patch_names, ref_dir, systems, results, gate)
             except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
                 results["cases"][case] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"    ERROR {type(e).__name__}: {e}")
@@ -133,13 +140,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run_case(case: str, s: Settings, patch_names: list[str], ref_dir: str, systems: list[str] | None,
-             results: dict[str, Any]) -> dict[str, Any]:
+             results: dict[str, Any], gate: Gate) -> dict[str, Any]:
     if case == "moe_layer":
         import moe_layer
-        return moe_layer.run(s, patch_names, ref_dir, systems)
+        return moe_layer.run(s, patch_names, ref_dir, systems, gate=gate)
     if case == "train_step":
         import train_step
-        return train_step.run(s, patch_names, ref_dir, systems)
+        return train_step.run(s, patch_names, ref_dir, systems, gate=gate)
     if case == "grouped_gemm":
         import grouped_gemm
         return grouped_gemm.run(s, patch_names)
@@ -148,9 +155,10 @@ def run_case(case: str, s: Settings, patch_names: list[str], ref_dir: str, syste
         return dispatcher.run(s, patch_names)
     if case == "profile":
         import profile_step
-        prof_systems = ["moetrain"] + (["moetrain+patch"] if patch_names else [])
+        prof_systems = ["moetrain+patch"] if patch_names else ["moetrain"]
         ts = results["cases"].get("train_step", {}).get("ratios", {})
-        prof_systems.append(ts.get("fastest_peer", "hf[eager]"))
+        if s.device == "cpu":  # on GPU only moetrain's own profile, to stay within the device-time budget
+            prof_systems.append(ts.get("fastest_peer", "hf[grouped_mm]"))
         if systems:
             prof_systems = [x for x in prof_systems if x in systems]
         return profile_step.run(s, patch_names, ref_dir, prof_systems)
@@ -193,6 +201,12 @@ def evaluate_goals(r: dict[str, Any]) -> dict[str, Any]:
     return goals
 
 
+def _load(x: dict[str, Any]) -> str:
+    if "load_at_start" not in x:
+        return "-"
+    return f"{x['load_at_start']:.2f}/{x['load_at_end']:.2f}" + (" NOT QUIET" if x.get("quiet") is False else "")
+
+
 def _f(v: Any, pct: bool = False, digits: int = 2) -> str:
     if v is None:
         return "-"
@@ -227,8 +241,8 @@ def markdown(r: dict[str, Any]) -> str:
                  else "Training step (fwd + bwd + clip + AdamW)")
         lines += [f"**{title}**", "",
                   "| system | tokens/s | ms/step | GFLOP/s (Megatron) | " + ("MFU | " if s["device"] == "cuda" else "")
-                  + "peak mem MiB | vs fastest peer | same function |",
-                  "|---|---:|---:|---:|" + ("---:|" if s["device"] == "cuda" else "") + "---:|---:|---|"]
+                  + "peak mem MiB | vs fastest peer | same function | load start/end |",
+                  "|---|---:|---:|---:|" + ("---:|" if s["device"] == "cuda" else "") + "---:|---:|---|---|"]
         fastest = c.get("ratios", {}).get("fastest_peer")
         best = next((x for x in c["rows"] if x["system"] == fastest), None)
         for x in c["rows"]:
@@ -236,7 +250,7 @@ def markdown(r: dict[str, Any]) -> str:
                 why = x.get("skipped") or x.get("error", "")
                 lines.append(f"| {x['system']} | " + ("skipped" if "skipped" in x else "error")
                              + f": {why[:160].replace('|', '/')} | | | " + ("| " if s["device"] == "cuda" else "")
-                             + "| | |")
+                             + "| | | |")
                 continue
             ratio = x["tokens_per_s"] / best["tokens_per_s"] if best else None
             same = ("reference" if x["system"] == "moetrain" else
@@ -247,7 +261,7 @@ def markdown(r: dict[str, Any]) -> str:
                 "- | " if s["device"] == "cuda" else "")
             lines.append(f"| {x['system']} | {x['tokens_per_s']:.1f} | {x['median_s'] * 1e3:.1f} | "
                          f"{x['tflops'] * 1e3:.1f} | {mfu}{x['peak_mem_mb']:.0f} | {_f(ratio)}"
-                         f"{' (fastest peer)' if x['system'] == fastest else ''} | {same} |")
+                         f"{' (fastest peer)' if x['system'] == fastest else ''} | {same} | {_load(x)} |")
         for n in c.get("notes", []):
             lines.append(f"\nNote: {n}")
         lines.append("")

@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import MemoryProbe, Settings, autocast, batch_tokens, run_isolated, setup_process, time_fn
+from common import (MemoryProbe, Settings, autocast, batch_tokens, load1, no_gate, run_isolated, setup_process,
+                    time_fn)
 
 CHECK_RTOL = 1e-4
 
@@ -161,8 +162,8 @@ def _systems(patches: list[str]) -> list[str]:
     return out + ["hf[eager]", "hf[grouped_mm]", "hf[batched_mm]", "torchtitan"]
 
 
-def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None = None, log=print
-        ) -> dict[str, Any]:
+def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None = None, log=print,
+        gate=no_gate) -> dict[str, Any]:
     from peers import TORCHTITAN_CPU_NOTES, peer_site_path
     systems = systems or _systems(patches)
     ckpt = str(Path(ref_dir) / "hf_ckpt")
@@ -178,11 +179,13 @@ def run(s: Settings, patches: list[str], ref_dir: str, systems: list[str] | None
         spec = {"settings": s.to_dict(), "system": system, "patches": patches, "ref_dir": ref_dir, "ckpt": ckpt,
                 "in_memory": in_memory}
         extra = peer_site_path() if system == "torchtitan" else None
+        load = gate()
         r = run_isolated("train_step:child", spec, timeout=600, extra_path=extra)
         r["system"] = system
+        r["load_at_start"], r["load_at_end"], r["quiet"] = load["load_at_start"], load1(), load["quiet"]
         res["rows"].append(r)
         log("    " + _row_line(r))
-    if s.device == "cpu":
+    if s.device == "cpu" and "torchtitan" in systems:
         res["notes"] = ["torchtitan adapted to run on CPU: " + " | ".join(TORCHTITAN_CPU_NOTES[:2])]
     res["ratios"] = ratios(res["rows"])
     return res
