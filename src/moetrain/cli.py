@@ -27,18 +27,21 @@ def cmd_count(args: argparse.Namespace) -> int:
     from moetrain.accounting import count_params, flops_per_token
 
     cfg, name = _model_from_arg(args.model)
+    if args.seq_len < 1:
+        from moetrain.model.config import ConfigError
+        raise ConfigError(f"--seq-len {args.seq_len} must be >= 1")
     p = count_params(cfg)
     f = flops_per_token(cfg, args.seq_len)
     if args.json:
         print(json.dumps({"model": name, "params": p.to_dict(), "flops_per_token": f.to_dict()}, indent=2))
         return 0
-    b = 1e9
+    b, unit = (1e9, "B") if p.total >= 1e9 else (1e6, "M")
     print(f"model {name}  (seq_len {args.seq_len}, MTP depth {cfg.mtp_depth})")
-    print(f"  total parameters (no MTP)             {p.total / b:10.3f} B")
-    print(f"  MTP modules (unique)                  {p.mtp / b:10.3f} B")
-    print(f"  total incl. MTP                       {p.total_with_mtp / b:10.3f} B")
-    print(f"  active per token incl. embedding      {p.active / b:10.3f} B")
-    print(f"  active per token excl. embedding      {p.active_nonembedding / b:10.3f} B")
+    print(f"  total parameters (no MTP)             {p.total / b:10.3f} {unit}")
+    print(f"  MTP modules (unique)                  {p.mtp / b:10.3f} {unit}")
+    print(f"  total incl. MTP                       {p.total_with_mtp / b:10.3f} {unit}")
+    print(f"  active per token incl. embedding      {p.active / b:10.3f} {unit}")
+    print(f"  active per token excl. embedding      {p.active_nonembedding / b:10.3f} {unit}")
     print(f"  training FLOPs/token, Megatron-Core   {f.megatron / 1e9:10.2f} GFLOP "
           f"(dense {f.megatron_dense / 1e9:.2f} + attention {f.megatron_attention / 1e9:.2f})")
     print(f"  training FLOPs/token, 6N + attention  {f.six_n / 1e9:10.2f} GFLOP (TorchTitan-style, full attention square)")
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
