@@ -8,7 +8,9 @@ routing is perfectly balanced (``routing="balanced"``, the published records' be
 synchronisation is left out on both sides (it is the same data-parallel all-reduce for both layouts and not part
 of the dispatcher). Each process uses 1 thread, so both layouts use the same 2 cores.
 
-Overhead per token = t(EP=2) / t(EP=1) - 1, with t the median over steps of the slower process's step time.
+Overhead per token = t(EP=2) / t(EP=1) - 1, with t the median over steps of the slower process's step time. All
+layouts (and their patched twins) are built once in the same 2 processes and timed round-robin, one step of each
+per round, so that load from other processes on the shared cores hits every layout alike.
 Reported for overlap on/off and n_chunks 1 and 2; the dispatcher's own counters give the all-to-all time and the
 part of it that was exposed (not hidden behind compute).
 """
@@ -68,61 +70,69 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
     from peers import bench_config
 
     torch.set_num_threads(1)
-    if patches:
-        P.apply(patches)
     cfg = bench_config(s.preset).replace(routing="balanced")
     dev = torch.device(s.device, rank) if s.device == "cuda" else torch.device("cpu")
     amp = s.device == "cuda" and s.dtype == "bf16"
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev).requires_grad_(True)
+    gy = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
+    runs = []
+    for label, pn in (("baseline", []), ("patched", patches)):
+        if label == "patched" and not patches:
+            continue
+        for c in configs:
+            ctx = init_parallel(ParallelConfig(ep=c["ep"], overlap=c["overlap"], n_chunks=c["n_chunks"]),
+                                cfg.n_routed_experts, device=s.device)
+            torch.manual_seed(0)
+            with torch.device(dev):
+                moe = MoE(cfg)
+            with torch.no_grad():
+                for p in moe.parameters():
+                    p.normal_(0.0, cfg.init_std)
+            if c["ep"] > 1:
+                moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, c["ep"], ctx.ep_rank, ctx.ep_group,
+                                                    CapacityConfig(), c["overlap"])
+            else:
+                moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
+            _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
+            moe.n_chunks = c["n_chunks"]
+            runs.append({"label": label, "patches": pn, "cfg": c, "moe": moe, "times": []})
+
+    def step(run) -> None:
+        moe = run["moe"]
+        x.grad = None
+        for p in moe.parameters():
+            p.grad = None
+        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=amp):
+            y, _ = moe(x)
+        y.backward(gy)
+        if s.device == "cuda":
+            torch.cuda.synchronize()
+
+    n_warm, n_rounds = (1, 4) if s.quick else (2, 10)
+    for run in runs:
+        with P.patched(run["patches"]):
+            for _ in range(n_warm):
+                step(run)
+        st = run["moe"].dispatcher.stats
+        st.a2a_seconds = st.exposed_seconds = 0.0
+    # Round-robin: one step of every layout per round, so that load from other processes hits all layouts alike.
+    for _ in range(n_rounds):
+        for run in runs:
+            with P.patched(run["patches"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step(run)
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                 device=dev if s.device == "cuda" else "cpu")
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when the slower process ends
+                run["times"].append(float(t))
     out = []
-    for c in configs:
-        ctx = init_parallel(ParallelConfig(ep=c["ep"], overlap=c["overlap"], n_chunks=c["n_chunks"]),
-                            cfg.n_routed_experts, device=s.device)
-        torch.manual_seed(0)
-        moe = MoE(cfg)
-        with torch.no_grad():
-            for p in moe.parameters():
-                p.normal_(0.0, cfg.init_std)
-        moe = moe.to(dev)
-        if c["ep"] > 1:
-            moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, c["ep"], ctx.ep_rank, ctx.ep_group,
-                                                CapacityConfig(), c["overlap"])
-        else:
-            moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
-        _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
-        moe.n_chunks = c["n_chunks"]
-        g = torch.Generator().manual_seed(100 + rank)
-        x = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev).requires_grad_(True)
-        gy = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
-        params = list(moe.parameters())
-
-        def step():
-            x.grad = None
-            for p in params:
-                p.grad = None
-            with torch.autocast(s.device, dtype=torch.bfloat16, enabled=amp):
-                y, _ = moe(x)
-            y.backward(gy)
-            if s.device == "cuda":
-                torch.cuda.synchronize()
-
-        n_warm, n_iter = (2, 4) if s.quick else (2, 8)
-        for _ in range(n_warm):
-            step()
-        moe.dispatcher.stats.a2a_seconds = moe.dispatcher.stats.exposed_seconds = 0.0
-        times = []
-        for _ in range(n_iter):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                             device=dev if s.device == "cuda" else "cpu")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the step ends when the slower process ends
-            times.append(float(t))
-        st = moe.dispatcher.stats
-        out.append({**c, "median_s": statistics.median(times), "times_s": times,
-                    "a2a_s_per_step": st.a2a_seconds / n_iter, "exposed_s_per_step": st.exposed_seconds / n_iter,
-                    "tokens_per_rank": s.batch * s.seq_len})
-        del moe
+    for run in runs:
+        st = run["moe"].dispatcher.stats
+        out.append({**run["cfg"], "variant": run["label"], "median_s": statistics.median(run["times"]),
+                    "times_s": run["times"], "a2a_s_per_step": st.a2a_seconds / n_rounds,
+                    "exposed_s_per_step": st.exposed_seconds / n_rounds, "tokens_per_rank": s.batch * s.seq_len})
     return out
 
 
@@ -149,29 +159,33 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     errors = [m for k, m in results if k != "ok"]
     if errors:
         return {"error": errors[0][:2000]}
-    rows = results[0][1]
-    base = next((r for r in rows if r["ep"] == 1), None)
-    for r in rows:
-        if base is not None:
-            r["overhead_vs_ep1"] = r["median_s"] / base["median_s"] - 1
-    return {"rows": rows, "backend": "nccl" if s.device == "cuda" else "gloo", "world": world}
+    out: dict[str, Any] = {}
+    for variant in ("baseline", "patched"):
+        rows = [r for r in results[0][1] if r["variant"] == variant]
+        if not rows:
+            continue
+        base = next((r for r in rows if r["ep"] == 1), None)
+        for r in rows:
+            if base is not None:
+                r["overhead_vs_ep1"] = r["median_s"] / base["median_s"] - 1
+        out[variant] = {"rows": rows, "backend": "nccl" if s.device == "cuda" else "gloo", "world": world,
+                        "method": "round-robin over layouts (one step each per round), median of rounds"}
+    return out
 
 
 def run(s: Settings, patches: list[str], log=print) -> dict[str, Any]:
-    res: dict[str, Any] = {}
-    for label, p in (("baseline", []), ("patched", patches)):
-        if label == "patched" and not patches:
+    r = run_isolated("dispatcher:child", {"settings": s.to_dict(), "configs": CONFIGS, "patches": patches},
+                     timeout=600)
+    if "error" in r or "skipped" in r:
+        log(f"    {r.get('error', r.get('skipped'))[:400]}")
+        return {"baseline": r}
+    for label in ("baseline", "patched"):
+        if label not in r:
             continue
-        r = run_isolated("dispatcher:child", {"settings": s.to_dict(), "configs": CONFIGS, "patches": p},
-                         timeout=600)
-        res[label] = r
         if label == "patched":
             log("    with proposed patches:")
-        if "error" in r or "skipped" in r:
-            log(f"    {r.get('error', r.get('skipped'))[:400]}")
-            continue
-        for row in r["rows"]:
+        for row in r[label]["rows"]:
             ov = f"overhead {row['overhead_vs_ep1'] * 100:+6.1f}%" if row["ep"] > 1 else "(reference)"
             log(f"    {row['name']:<28} {row['median_s'] * 1e3:8.1f} ms/step  {ov}   a2a "
                 f"{row['a2a_s_per_step'] * 1e3:6.1f} ms, exposed {row['exposed_s_per_step'] * 1e3:6.1f} ms")
-    return res
+    return r

@@ -8,15 +8,17 @@ Limit: ONE plain matmul with the same total FLOPs, (S x D) @ (D x 3F), forward a
 backward = two more matmuls of the same size). A dense SwiGLU of width F on the same S rows (three plain matmuls
 and the same elementwise work) is reported too. Ratio = achieved FLOP/s of the experts / FLOP/s of the matmul.
 
-Systems: ``grouped_mm`` (torch._grouped_mm, moetrain's default), ``loop`` (moetrain's exact per-expert loop,
-``use_grouped_mm=False``), ``patched`` (with the proposed patches of :mod:`patches`).
+Variants: ``grouped_mm`` (torch._grouped_mm, moetrain's default), ``+patch`` (the same with the proposed patches of
+:mod:`patches`), ``loop`` (moetrain's exact per-expert loop, ``use_grouped_mm=False``). All variants live in one
+process and are timed round-robin (one sample of each per round, median over rounds), so that a burst of load from
+another process hits every variant alike.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from common import Settings, autocast, run_isolated, setup_process, time_fn
+from common import Settings, autocast, run_isolated, setup_process
 
 
 def _counts(cfg, T: int, balanced: bool, device: str):
@@ -37,100 +39,119 @@ def _counts(cfg, T: int, balanced: bool, device: str):
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
+    import statistics
+    import time
+
     import torch
 
     import patches as P
+    from common import sync
     from moetrain.model.layers import SwiGLU
     from moetrain.model.moe import GroupedExperts
     from peers import bench_config
 
     s = Settings.from_dict(spec["settings"])
     setup_process(s)
-    if spec.get("patches"):
-        P.apply(spec["patches"])
+    patch_names = spec.get("patches", [])
     cfg = bench_config(s.preset)
     dev = s.device
     T = s.batch * s.seq_len
     E, D, Fh = cfg.n_routed_experts, cfg.dim, cfg.expert_ffn_dim
-    min_time = 0.3 if s.quick else 1.5
-    out: dict[str, Any] = {"E": E, "D": D, "F": Fh, "tokens": T, "top_k": cfg.top_k, "rows": []}
-
+    out: dict[str, Any] = {"E": E, "D": D, "F": Fh, "tokens": T, "top_k": cfg.top_k, "rows": [],
+                           "method": "round-robin: every variant timed once per round, median over rounds"}
     torch.manual_seed(0)
-    experts = GroupedExperts(E, D, Fh).to(dev)
+    with torch.device(dev):
+        experts = GroupedExperts(E, D, Fh)
+        swiglu = SwiGLU(D, Fh)
     with torch.no_grad():
-        for p in experts.parameters():
+        for p in list(experts.parameters()) + list(swiglu.parameters()):
             p.normal_(0.0, cfg.init_std)
+    w = (torch.randn(D, 3 * Fh, device=dev) * cfg.init_std).requires_grad_(True)
+    counts = {"routed": _counts(cfg, T, False, dev), "balanced": _counts(cfg, T, True, dev)}
+    S = int(counts["routed"].sum())
+    flops = 2.0 * S * D * Fh * 3  # forward FLOPs of the three expert GEMMs; fwd+bwd = 3x
+    x = torch.randn(S, D, device=dev)
+    g = torch.randn(S, D, device=dev)
+    gw = torch.randn(S, 3 * Fh, device=dev)
 
-    def bench(label: str, fwd, inputs, flops_fwd: float) -> None:
-        x = inputs
-        g = torch.randn_like(x)
+    def experts_fwd(mode: str, tag: str):
+        def f(t):
+            experts.use_grouped_mm = mode != "loop"
+            return experts(t, counts[tag])
+        return f
 
-        def f_only():
-            with torch.no_grad(), autocast(s):
-                fwd(x)
+    # (label, forward, parameters, patches, output gradient)
+    variants = []
+    for tag in ("routed", "balanced"):
+        variants.append((f"experts[grouped_mm] {tag}", experts_fwd("grouped_mm", tag), experts, [], g))
+        if patch_names:
+            variants.append((f"experts[grouped_mm] {tag} +patch", experts_fwd("grouped_mm", tag), experts,
+                             patch_names, g))
+        variants.append((f"experts[loop] {tag}", experts_fwd("loop", tag), experts, [], g))
+    variants.append(("plain matmul (S x D)@(D x 3F)", lambda t: t @ w, [w], [], gw))
+    variants.append(("dense SwiGLU width F", swiglu, swiglu, [], g))
 
-        def f_b():
-            x.grad = None
-            for p in params:
+    def make(fwd, params, grad, backward: bool):
+        plist = list(params.parameters()) if hasattr(params, "parameters") else list(params)
+
+        def run():
+            if not backward:
+                with torch.no_grad(), autocast(s):
+                    fwd(x)
+                return
+            xx = x.detach().requires_grad_(True)
+            for p in plist:
                 p.grad = None
             with autocast(s):
-                y = fwd(x)
-            y.backward(g if y.shape == g.shape else torch.ones_like(y))
-        tf = time_fn(f_only, s, warmup=2, iters=5, min_time=min_time)
-        x.requires_grad_(True)
-        tb = time_fn(f_b, s, warmup=2, iters=5, min_time=min_time)
-        x.requires_grad_(False)
-        out["rows"].append({"label": label, "fwd_s": tf["median_s"], "fwd_bwd_s": tb["median_s"],
-                            "fwd_flops_per_s": flops_fwd / tf["median_s"],
-                            "fwd_bwd_flops_per_s": 3 * flops_fwd / tb["median_s"], "flops_fwd": flops_fwd})
+                y = fwd(xx)
+            y.backward(grad)
+        return run
 
-    for balanced in (False, True):
-        counts = _counts(cfg, T, balanced, dev)
-        S = int(counts.sum())
-        flops = 2.0 * S * D * Fh * 3
-        tag = "balanced" if balanced else "routed"
-        x = torch.randn(S, D, device=dev)
-        params = list(experts.parameters())
-        for mode in spec["modes"]:
-            experts.use_grouped_mm = mode != "loop"
-            bench(f"experts[{mode}] {tag}", lambda t: experts(t, counts), x, flops)
-        experts.use_grouped_mm = True
-        if balanced:
-            continue
-        out["counts_routed"] = counts.tolist()
-        out["S"] = S
-        # The limit: one plain matmul of the same FLOPs, and a dense SwiGLU of width F on the same rows.
-        w = torch.randn(D, 3 * Fh, device=dev) * cfg.init_std
-        w.requires_grad_(True)
-        params = [w]
-        bench("plain matmul (S x D)@(D x 3F)", lambda t: t @ w, x, flops)
-        swiglu = SwiGLU(D, Fh).to(dev)
-        params = list(swiglu.parameters())
-        bench("dense SwiGLU width F", swiglu, x, flops)
-    rows = {r["label"]: r for r in out["rows"]}
-    limit = rows["plain matmul (S x D)@(D x 3F)"]
+    jobs = []
+    for label, fwd, params, pn, grad in variants:
+        for bwd in (False, True):
+            jobs.append({"label": label, "bwd": bwd, "fn": make(fwd, params, grad, bwd), "patches": pn, "t": []})
+    # warm up and calibrate: repeat each job k times per sample so that a sample lasts >= ~30 ms
+    for j in jobs:
+        with P.patched(j["patches"]):
+            for _ in range(2):
+                j["fn"]()
+            sync(s)
+            t0 = time.perf_counter()
+            j["fn"]()
+            sync(s)
+            j["k"] = max(1, int(0.03 / max(time.perf_counter() - t0, 1e-6)))
+    rounds = 5 if s.quick else 15
+    for _ in range(rounds):
+        for j in jobs:
+            with P.patched(j["patches"]):
+                sync(s)
+                t0 = time.perf_counter()
+                for _ in range(j["k"]):
+                    j["fn"]()
+                sync(s)
+                j["t"].append((time.perf_counter() - t0) / j["k"])
+    by = {}
+    for j in jobs:
+        by.setdefault(j["label"], {})["fwd_bwd_s" if j["bwd"] else "fwd_s"] = statistics.median(j["t"])
+    for label, r in by.items():
+        out["rows"].append({"label": label, **r, "fwd_flops_per_s": flops / r["fwd_s"],
+                            "fwd_bwd_flops_per_s": 3 * flops / r["fwd_bwd_s"], "flops_fwd": flops})
+    out["counts_routed"] = counts["routed"].tolist()
+    out["S"] = S
+    limit = by["plain matmul (S x D)@(D x 3F)"]
     out["ratios"] = {}
-    for r in out["rows"]:
-        if r["label"].startswith("experts["):
-            key = r["label"]
-            out["ratios"][f"{key} fwd"] = r["fwd_flops_per_s"] / limit["fwd_flops_per_s"]
-            out["ratios"][f"{key} fwd+bwd"] = r["fwd_bwd_flops_per_s"] / limit["fwd_bwd_flops_per_s"]
+    for label, r in by.items():
+        if label.startswith("experts["):
+            out["ratios"][f"{label} fwd"] = limit["fwd_s"] / r["fwd_s"]
+            out["ratios"][f"{label} fwd+bwd"] = limit["fwd_bwd_s"] / r["fwd_bwd_s"]
     return out
 
 
 def run(s: Settings, patches: list[str], log=print) -> dict[str, Any]:
-    modes = ["grouped_mm", "loop"]
-    res: dict[str, Any] = {}
-    base = run_isolated("grouped_gemm:child", {"settings": s.to_dict(), "modes": modes}, timeout=300)
-    res["baseline"] = base
-    _log(base, log)
-    if patches:
-        p = run_isolated("grouped_gemm:child", {"settings": s.to_dict(), "modes": ["grouped_mm"],
-                                                "patches": patches}, timeout=300)
-        res["patched"] = p
-        log("    with proposed patches:")
-        _log(p, log, only_experts=True)
-    return res
+    r = run_isolated("grouped_gemm:child", {"settings": s.to_dict(), "patches": patches}, timeout=300)
+    _log(r, log)
+    return {"baseline": r}
 
 
 def _log(r: dict[str, Any], log, only_experts: bool = False) -> None:
@@ -140,5 +161,5 @@ def _log(r: dict[str, Any], log, only_experts: bool = False) -> None:
     for row in r["rows"]:
         if only_experts and not row["label"].startswith("experts["):
             continue
-        log(f"    {row['label']:<34} fwd {row['fwd_flops_per_s'] / 1e9:8.1f} GFLOP/s   "
+        log(f"    {row['label']:<40} fwd {row['fwd_flops_per_s'] / 1e9:8.1f} GFLOP/s   "
             f"fwd+bwd {row['fwd_bwd_flops_per_s'] / 1e9:8.1f} GFLOP/s")
