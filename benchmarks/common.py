@@ -93,7 +93,7 @@ def sync(s: Settings) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 def time_fn(fn: Callable[[], Any], s: Settings, warmup: int | None = None, iters: int | None = None,
-            min_time: float = 0.0, max_time: float = 30.0) -> dict[str, Any]:
+            min_time: float = 0.0, max_time: float = 20.0) -> dict[str, Any]:
     """Run ``fn`` ``warmup`` times, then ``iters`` timed times (more while their sum is below ``min_time``; fewer,
     but at least 2, once their sum passes ``max_time``, so that a slow peer cannot stretch the suite).
 

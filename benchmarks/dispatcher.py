@@ -66,8 +66,8 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
     from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.dispatch import AllToAllDispatcher
     from moetrain.parallel.mesh import init_parallel
-    from moetrain.parallel.parallelize import _keep_local_experts
-    from peers import bench_config
+    from moetrain.parallel import parallelize
+    from peers import bench_config, copy_moe_weights, init_moe_reference
 
     torch.set_num_threads(1)
     cfg = bench_config(s.preset).replace(routing="balanced")
@@ -83,18 +83,17 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
         for c in configs:
             ctx = init_parallel(ParallelConfig(ep=c["ep"], overlap=c["overlap"], n_chunks=c["n_chunks"]),
                                 cfg.n_routed_experts, device=s.device)
-            torch.manual_seed(0)
-            with torch.device(dev):
-                moe = MoE(cfg)
-            with torch.no_grad():
-                for p in moe.parameters():
-                    p.normal_(0.0, cfg.init_std)
-            if c["ep"] > 1:
-                moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, c["ep"], ctx.ep_rank, ctx.ep_group,
-                                                    CapacityConfig(), c["overlap"])
-            else:
-                moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
-            _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
+            ref = init_moe_reference(cfg, str(dev))
+            with P.patched(pn), torch.device(dev):
+                moe = MoE(cfg)  # the (possibly patched) class, holding the reference weights
+                copy_moe_weights(moe, ref)
+                if c["ep"] > 1:
+                    moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, c["ep"], ctx.ep_rank, ctx.ep_group,
+                                                        CapacityConfig(), c["overlap"])
+                else:
+                    moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
+                parallelize._keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset,
+                                                moe.dispatcher.n_local_experts)
             moe.n_chunks = c["n_chunks"]
             runs.append({"label": label, "patches": pn, "cfg": c, "moe": moe, "times": []})
 

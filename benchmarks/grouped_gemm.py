@@ -66,6 +66,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         for p in list(experts.parameters()) + list(swiglu.parameters()):
             p.normal_(0.0, cfg.init_std)
+    experts_p = experts
+    if patch_names:  # the patched module (a patch may change the parameter layout), same weights
+        with P.patched(patch_names), torch.device(dev):
+            experts_p = GroupedExperts(E, D, Fh)
+            with torch.no_grad():
+                for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+                    getattr(experts_p, name).copy_(getattr(experts, name))
     w = (torch.randn(D, 3 * Fh, device=dev) * cfg.init_std).requires_grad_(True)
     counts = {"routed": _counts(cfg, T, False, dev), "balanced": _counts(cfg, T, True, dev)}
     S = int(counts["routed"].sum())
@@ -74,10 +81,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     g = torch.randn(S, D, device=dev)
     gw = torch.randn(S, 3 * Fh, device=dev)
 
-    def experts_fwd(mode: str, tag: str):
+    def experts_fwd(mode: str, tag: str, module=experts):
         def f(t):
-            experts.use_grouped_mm = mode != "loop"
-            return experts(t, counts[tag])
+            module.use_grouped_mm = mode != "loop"
+            return module(t, counts[tag])
         return f
 
     # (label, forward, parameters, patches, output gradient)
@@ -85,8 +92,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     for tag in ("routed", "balanced"):
         variants.append((f"experts[grouped_mm] {tag}", experts_fwd("grouped_mm", tag), experts, [], g))
         if patch_names:
-            variants.append((f"experts[grouped_mm] {tag} +patch", experts_fwd("grouped_mm", tag), experts,
-                             patch_names, g))
+            variants.append((f"experts[grouped_mm] {tag} +patch", experts_fwd("grouped_mm", tag, experts_p),
+                             experts_p, patch_names, g))
         variants.append((f"experts[loop] {tag}", experts_fwd("loop", tag), experts, [], g))
     variants.append(("plain matmul (S x D)@(D x 3F)", lambda t: t @ w, [w], [], gw))
     variants.append(("dense SwiGLU width F", swiglu, swiglu, [], g))

@@ -8,7 +8,6 @@ match moetrain's within 1e-4 relative (max-abs error / max-abs value), else the 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import patches as P
     from moetrain.accounting import flops_breakdown
     from moetrain.model.moe import MoE
-    from peers import (available_ram_bytes, bench_config, hf_batched_mm_bytes, hf_moe_from_moetrain,
-                       titan_moe_from_moetrain)
+    from peers import (available_ram_bytes, bench_config, copy_moe_weights, hf_batched_mm_bytes,
+                       hf_moe_from_moetrain, init_moe_reference, titan_moe_from_moetrain)
 
     s = Settings.from_dict(spec["settings"])
     system = spec["system"]
@@ -46,15 +45,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             return {"skipped": f"HF batched_mm copies the expert weights per routed token: ~{need / 2**30:.1f} GiB "
                                f"for one layer's fwd+bwd at {T} tokens, over half of this machine's available "
                                f"{available_ram_bytes(s.device) / 2**30:.1f} GiB"}
+    dev = s.device
+    ref = init_moe_reference(cfg, dev)  # from the unpatched class: the same weights for every system
     if system.startswith("moetrain+patch"):
         P.apply(spec.get("patches", []))
-    dev = s.device
-    torch.manual_seed(0)
-    with torch.device(dev):
-        ref = MoE(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, cfg.init_std)
     g = torch.Generator().manual_seed(7)
     x0 = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
     gy = torch.randn(s.batch, s.seq_len, cfg.dim, generator=g).to(dev)
@@ -62,7 +56,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     probe = MemoryProbe(s)
     probe.start()
     if system.startswith("moetrain"):
-        mod = copy.deepcopy(ref)
+        with torch.device(dev):
+            mod = MoE(cfg)  # the (possibly patched) class
+        copy_moe_weights(mod, ref)
         if system == "moetrain[loop]":
             mod.experts.use_grouped_mm = False
         fwd = lambda x: mod(x)[0]  # noqa: E731
@@ -96,7 +92,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         y_ref = torch.load(ref_path)
         err = (y.float().cpu() - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30)
         check = {"max_rel_err_vs_moetrain": err, "same_function": err <= (CHECK_RTOL if s.dtype == "fp32" else 2e-2)}
-    t = time_fn(step, s, min_time=0.0 if s.quick else (0.5 if s.device == "cuda" else 2.0))
+    t = time_fn(step, s, min_time=0.0 if s.quick else (0.5 if s.device == "cuda" else 1.0))
     b = flops_breakdown(cfg, s.seq_len)
     flops = T * (b.routed + b.shared)  # Megatron counting: routed + shared experts, fwd + bwd (router not counted)
     return {"system": system, "tokens": T, "tokens_per_s": T / t["median_s"], "tflops": flops / t["median_s"] / 1e12,

@@ -295,6 +295,32 @@ def peer_site_path() -> list[str]:
     return [str(PEER_SITE)] if PEER_SITE.exists() else []
 
 
+def init_moe_reference(cfg: ModelConfig, device: str = "cpu"):
+    """moetrain's MoE layer with the suite's reference weights (seed 0, N(0, init_std) in registration order),
+    built from the unpatched class."""
+    from moetrain.model.moe import MoE
+    torch.manual_seed(0)
+    with torch.device(device):
+        ref = MoE(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, cfg.init_std)
+    return ref
+
+
+def copy_moe_weights(dst, src) -> None:
+    """Copy a MoE layer's weights by name; expert weights through ``w1_EFD``/``w2_EDF``/``w3_EFD``, which a patched
+    layout may expose as views of one fused parameter."""
+    with torch.no_grad():
+        for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
+            getattr(dst.experts, name).copy_(getattr(src.experts, name))
+        dst.gate.weight.copy_(src.gate.weight)
+        dst.gate.expert_bias.copy_(src.gate.expert_bias)
+        if src.shared_experts is not None:
+            for a, b in zip(dst.shared_experts.parameters(), src.shared_experts.parameters()):
+                a.copy_(b)
+
+
 def peer_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):
     """AdamW with moetrain's settings and grouping (decay on matrices, none on vectors), in the implementation the
     peers use by default: the fused kernel (HF Trainer ``optim="adamw_torch_fused"`` for torch >= 2.8; TorchTitan

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed steps per system (median reported)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--no-patches", action="store_true", help="skip the moetrain+patch rows (proposed src patches)")
+    p.add_argument("--patches", default=None, help="comma-separated proposed patches that make up moetrain+patch "
+                                                   "(default: all of benchmarks/patches.py DEFAULT)")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--max-load", type=float, default=0.7, help="wait until the 1-min load average is below this")
     p.add_argument("--max-wait", type=float, default=600, help="seconds to wait for a quiet machine per case")
@@ -92,12 +94,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"unknown case(s) {bad}; choose from {list(ALL_CASES)}")
     systems = [x.strip() for x in a.systems.split(",") if x.strip()] or None
     import patches as P
-    patch_names = [] if a.no_patches else list(P.DEFAULT)
+    patch_names = [] if a.no_patches else (
+        [x.strip() for x in a.patches.split(",") if x.strip()] if a.patches else list(P.DEFAULT))
+    unknown = sorted(set(patch_names) - set(P.PATCHES))
+    if unknown:
+        raise SystemExit(f"unknown patch(es) {unknown}; known: {sorted(P.PATCHES)}")
     out_dir = Path(a.out) if a.out else Path(__file__).resolve().parent / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     info = machine_info(s)
-    command = "python benchmarks/run_all.py " + " ".join(shlex.quote(x) for x in (argv if argv is not None
-                                                                                    else sys.argv[1:]))
+    command = " ".join(["python benchmarks/run_all.py"] + [shlex.quote(x) for x in (argv if argv is not None
+                                                                                      else sys.argv[1:])])
     print(f"moetrain benchmark suite  |  {command}")
     print(f"machine: {info['cpu']} ({info['cores_visible']} cores), {info.get('gpu', 'no GPU')}, torch "
           f"{info['torch']}, transformers {info['transformers']}, torchtitan {info['torchtitan']}")
