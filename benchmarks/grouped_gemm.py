@@ -21,21 +21,34 @@ from typing import Any
 from common import Settings, autocast, run_isolated, setup_process
 
 
-def _counts(cfg, T: int, balanced: bool, device: str):
+def _counts(cfg, s, kind: str):
+    """Rows per expert for one micro-batch of T tokens.
+
+    "balanced": T*K/E each. "routed": moetrain's router (learned routing, init weights) on random hidden states.
+    "model-init": the most skewed MoE layer of the whole preset model at init on the suite's token batch -- what a
+    first training step meets (hidden states of real tokens are correlated, so a few experts take 2-4x the mean).
+    """
     import torch
 
     from moetrain.model.moe import Router
-    E = cfg.n_routed_experts
-    if balanced:
-        S = T * cfg.top_k
-        return torch.full((E,), S // E, dtype=torch.int64, device=device)
+    E, T, device = cfg.n_routed_experts, s.batch * s.seq_len, s.device
+    if kind == "balanced":
+        return torch.full((E,), T * cfg.top_k // E, dtype=torch.int64, device=device)
     torch.manual_seed(0)
-    r = Router(cfg)
+    if kind == "routed":
+        r = Router(cfg)
+        with torch.no_grad():
+            r.weight.normal_(0.0, cfg.init_std)
+            idx = r(torch.randn(T, cfg.dim)).topk_idx_TK
+        return torch.bincount(idx.reshape(-1), minlength=E).to(device)
+    from common import batch_tokens
+    from moetrain.model.transformer import build_model
+    model = build_model(cfg, seed=0)
+    x, _ = batch_tokens(s.__class__.from_dict({**s.to_dict(), "device": "cpu"}), cfg.vocab_size)
     with torch.no_grad():
-        r.weight.normal_(0.0, cfg.init_std)
-        x = torch.randn(T, cfg.dim)
-        idx = r(x).topk_idx_TK
-    return torch.bincount(idx.reshape(-1), minlength=E).to(device)
+        stats = model(x).moe_stats
+    worst = max((st.tokens_per_expert_E for st in stats), key=lambda c: int(c.max()))
+    return worst.to(torch.int64).to(device)
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +87,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
                     getattr(experts_p, name).copy_(getattr(experts, name))
     w = (torch.randn(D, 3 * Fh, device=dev) * cfg.init_std).requires_grad_(True)
-    counts = {"routed": _counts(cfg, T, False, dev), "balanced": _counts(cfg, T, True, dev)}
+    kinds = ("routed", "balanced", "model-init")
+    counts = {k: _counts(cfg, s, k) for k in kinds}
     S = int(counts["routed"].sum())
     flops = 2.0 * S * D * Fh * 3  # forward FLOPs of the three expert GEMMs; fwd+bwd = 3x
     x = torch.randn(S, D, device=dev)
@@ -89,7 +103,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     # (label, forward, parameters, patches, output gradient)
     variants = []
-    for tag in ("routed", "balanced"):
+    for tag in kinds:
         variants.append((f"experts[grouped_mm] {tag}", experts_fwd("grouped_mm", tag), experts, [], g))
         if patch_names:
             variants.append((f"experts[grouped_mm] {tag} +patch", experts_fwd("grouped_mm", tag, experts_p),
@@ -144,6 +158,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     for label, r in by.items():
         out["rows"].append({"label": label, **r, "fwd_flops_per_s": flops / r["fwd_s"],
                             "fwd_bwd_flops_per_s": 3 * flops / r["fwd_bwd_s"], "flops_fwd": flops})
+    out["counts"] = {k: c.tolist() for k, c in counts.items()}
     out["counts_routed"] = counts["routed"].tolist()
     out["S"] = S
     limit = by["plain matmul (S x D)@(D x 3F)"]

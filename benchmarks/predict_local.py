@@ -30,9 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-# TODO(lead): confirm the exact `moetrain train` invocation once the trainer's CLI is final. {out}, {steps},
-# {preset} and {log_every} are filled in; extra `--set` overrides from the command line are appended (and the
-# same overrides are given to the prediction, so both describe the same run).
+# The same run `moetrain train` would do on its defaults, minus evaluation, checkpoints and TensorBoard (they are
+# not part of the step the model predicts). Extra `--set` overrides go to both the run and the prediction.
 TRAIN_CMD = ("{python} -m moetrain train --preset {preset} --steps {steps} --out {out} --nproc 2 --ep 2 "
              "--set train.log_every={log_every} --set train.eval_every=0 --set train.ckpt_every=0 "
              "--set train.tensorboard=false --device cpu")

@@ -187,6 +187,7 @@ def evaluate_goals(r: dict[str, Any]) -> dict[str, Any]:
         goals["train_step"] = {"goal": f"{desc} {op} {tgt}", "fastest_peer": ts.get("fastest_peer"),
                                "before": before, "after": after, "met_before": verdict(before, op, tgt),
                                "met_after": verdict(after, op, tgt)}
+        goals["train_step"].update(_matmul_ceiling(cases))
     gg = cases.get("grouped_gemm", {})
     if "baseline" in gg and "ratios" in gg["baseline"]:
         desc, op, tgt = GOALS["grouped_gemm"]
@@ -205,6 +206,23 @@ def evaluate_goals(r: dict[str, Any]) -> dict[str, Any]:
         goals["dispatcher"] = {"goal": f"{desc} {op} {tgt}", "before": before, "after": after,
                                "met_before": verdict(before, op, tgt), "met_after": verdict(after, op, tgt)}
     return goals
+
+
+def _matmul_ceiling(cases: dict[str, Any]) -> dict[str, Any]:
+    """The most any implementation could lead the fastest peer by on this machine: a step that ran every
+    Megatron-counted FLOP at the rate of one large plain matmul (grouped_gemm case, fwd+bwd) and spent no time on
+    anything else. Returns {} unless both cases ran."""
+    ts, gg = cases.get("train_step", {}), cases.get("grouped_gemm", {}).get("baseline", {})
+    peer = ts.get("ratios", {}).get("fastest_peer")
+    rows = {x["system"]: x for x in ts.get("rows", []) if "tokens_per_s" in x}
+    lim = next((x for x in gg.get("rows", []) if x["label"].startswith("plain matmul")), None)
+    if peer not in rows or "moetrain" not in rows or lim is None:
+        return {}
+    flops = rows["moetrain"]["tflops"] * 1e12 * rows["moetrain"]["median_s"]
+    bound_s = flops / lim["fwd_bwd_flops_per_s"]
+    return {"matmul_bound_ms": bound_s * 1e3, "ceiling_vs_fastest_peer": rows[peer]["median_s"] / bound_s,
+            "moetrain_share_of_bound": bound_s / rows["moetrain"]["median_s"],
+            "peer_share_of_bound": bound_s / rows[peer]["median_s"]}
 
 
 def _load(x: dict[str, Any]) -> str:
@@ -275,8 +293,9 @@ def markdown(r: dict[str, Any]) -> str:
     if "baseline" in gg and "rows" in gg["baseline"]:
         b = gg["baseline"]
         lines += [f"**Expert GEMMs vs one plain matmul of the same FLOPs** (E={b['E']}, D={b['D']}, F={b['F']}, "
-                  f"S={b['S']} routed rows, counts {min(b['counts_routed'])}..{max(b['counts_routed'])} per expert; "
-                  "variants timed round-robin in one process)",
+                  f"S={b['S']} routed rows; rows per expert: " + ", ".join(
+                      f"{k} {min(c)}..{max(c)}" for k, c in b.get("counts", {"routed": b["counts_routed"]}).items())
+                  + "; variants timed round-robin in one process)",
                   "", "| variant | fwd GFLOP/s | fwd+bwd GFLOP/s | fwd vs matmul | fwd+bwd vs matmul |",
                   "|---|---:|---:|---:|---:|"]
         rows = list(b["rows"])
@@ -305,13 +324,20 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append("")
     g = r.get("goals", {})
     if g:
-        lines += ["**Goals**", "", "| goal | before (src) | after (proposed patches) | met |", "|---|---:|---:|---|"]
+        lines += ["**Goals**", "", "| goal | src | with proposed patches | met |", "|---|---:|---:|---|"]
         for k, v in g.items():
             pct = k == "dispatcher"
             met = v["met_after"] if v["after"] is not None else v["met_before"]
             lines.append(f"| {v['goal']}{' (fastest peer: ' + v['fastest_peer'] + ')' if v.get('fastest_peer') else ''}"
                          f" | {_f(v['before'], pct)} | {_f(v['after'], pct)} | "
                          f"{'yes' if met else 'no' if met is not None else '-'} |")
+        c = g.get("train_step", {})
+        if "matmul_bound_ms" in c:
+            lines += ["", f"Matmul ceiling: the step's {c['matmul_bound_ms']:.0f} ms if every Megatron-counted FLOP ran "
+                      f"at the plain-matmul rate and nothing else took time = {c['ceiling_vs_fastest_peer']:.2f}x the "
+                      f"fastest peer, the most any implementation could lead by on this machine. moetrain runs at "
+                      f"{c['moetrain_share_of_bound'] * 100:.0f}% of that bound, the fastest peer at "
+                      f"{c['peer_share_of_bound'] * 100:.0f}%."]
         lines.append("")
     prof = cases.get("profile", {})
     for system, p in prof.items():

@@ -10,8 +10,8 @@ import torch
 from moetrain.accounting import count_params, flops_per_token
 from moetrain.model import PRESETS, ConfigError, ModelConfig, build_model, get_preset
 from moetrain.model.layers import SwiGLU, rope_cos_sin, rope_inv_freq
-from moetrain.model.moe import (CapacityConfig, MoE, Router, balanced_assignment, capacity_keep_mask, grouped_mm,
-                                permute, sequence_balance_loss, unpermute)
+from moetrain.model.moe import (CapacityConfig, GroupedExperts, MoE, Router, balanced_assignment, capacity_keep_mask,
+                                grouped_mm, padded_slots, permute, sequence_balance_loss, unpermute)
 
 
 def moe_cfg(**changes) -> ModelConfig:
@@ -227,7 +227,7 @@ def test_grouped_mm_equals_per_expert_loop(counts):
     S, Kd, N, E = sum(counts), 16, 12, len(counts)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(S, Kd, generator=g)
-    w = torch.randn(E, Kd, N, generator=g)
+    w = torch.randn(E, N, Kd, generator=g)  # stored (E, N, K) layout
     c = torch.tensor(counts)
     dy = torch.randn(S, N, generator=g)
     results = []
@@ -237,7 +237,7 @@ def test_grouped_mm_equals_per_expert_loop(counts):
         (y * dy).sum().backward()
         results.append((y.detach(), xi.grad, wi.grad))
     # Reference: explicit per-expert products.
-    ref = torch.cat([xe @ w[e] for e, xe in enumerate(torch.split(x, counts))])
+    ref = torch.cat([xe @ w[e].t() for e, xe in enumerate(torch.split(x, counts))])
     for y, gx, gw in results:
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     (y0, gx0, gw0), (y1, gx1, gw1) = results
@@ -246,7 +246,7 @@ def test_grouped_mm_equals_per_expert_loop(counts):
     torch.testing.assert_close(gw0, gw1, rtol=1e-5, atol=1e-5)
     for e, n in enumerate(counts):
         if n == 0:  # an expert without rows gets an exactly zero gradient on both paths
-            assert torch.equal(gw0[e], torch.zeros(Kd, N)) and torch.equal(gw1[e], torch.zeros(Kd, N))
+            assert torch.equal(gw0[e], torch.zeros(N, Kd)) and torch.equal(gw1[e], torch.zeros(N, Kd))
 
 
 def test_grouped_experts_module_paths_agree():
@@ -263,6 +263,41 @@ def test_grouped_experts_module_paths_agree():
     torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("counts", [[4, 4, 4, 4], [5, 4, 4, 4], [5, 5, 5, 5, 5, 5, 5, 0]])
+def test_padded_batched_experts_equal_per_expert_loop(counts):
+    """The CPU batched path (equal slots + torch.bmm) computes what the exact loop computes, gradients included."""
+    E, D, Fh = len(counts), 16, 8
+    torch.manual_seed(0)
+    experts = GroupedExperts(E, D, Fh)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    c = torch.tensor(counts)
+    S = sum(counts)
+    assert padded_slots(counts, S) is not None  # the path under test is taken
+    x, dy = torch.randn(S, D), torch.randn(S, D)
+    results = []
+    for use in (True, False):
+        experts.use_grouped_mm = use
+        for p in experts.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        y = experts(xi, c)
+        (y * dy).sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in experts.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_slots_layout_and_refusals():
+    C, slot = padded_slots([2, 1, 2], 5, max_pad=0.5)
+    assert C == 2 and slot.tolist() == [0, 1, 2, 4, 5]  # expert 1's second slot (3) is padding
+    assert padded_slots([3, 3], 6) == (3, None)  # equal groups: a view, no copy
+    assert padded_slots([8, 1, 1, 1], 11) is None  # 32 slots for 11 rows: too much padding
+    assert padded_slots([2, 2], 5) is None  # a trailing capacity-padding row: not this layout
+    assert padded_slots([0, 0], 0) is None
+
+
 def test_grouped_mm_unaligned_dims_fall_back():
     cfg = moe_cfg(expert_ffn_dim=6)
     model = build_model(cfg)
@@ -270,7 +305,7 @@ def test_grouped_mm_unaligned_dims_fall_back():
 
 
 def test_grouped_mm_loop_padding_rows_are_zero():
-    x, w = torch.randn(14, 16), torch.randn(4, 16, 12)
+    x, w = torch.randn(14, 16), torch.randn(4, 12, 16)
     y = grouped_mm(x, w, torch.tensor([5, 0, 4, 3]), use_grouped_mm=False)
     assert torch.equal(y[12:], torch.zeros(2, 12))
 
@@ -279,7 +314,7 @@ def test_grouped_mm_kernel_padding_rows_are_zero():
     torch.manual_seed(0)
     ok = True
     for _ in range(5):
-        x, w = torch.randn(16, 16), torch.randn(4, 16, 12)
+        x, w = torch.randn(16, 16), torch.randn(4, 12, 16)
         y = grouped_mm(x, w, torch.tensor([5, 0, 4, 3]), use_grouped_mm=True)
         ok &= torch.equal(y[12:], torch.zeros(4, 12))
     assert ok

@@ -141,59 +141,115 @@ def _grouped_mm_supported(x: torch.Tensor, *row_lens: int) -> bool:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """y_SN = x_SK @ w_EKN[e(s)] for rows grouped by expert; ``offs_E`` are the int32 cumulative row counts.
+    """y_SN = x_SK @ w_ENK[e(s)]^T for rows grouped by expert; ``offs_E`` are the int32 cumulative row counts.
 
-    Wraps ``torch._grouped_mm`` with an explicit backward (its own needs a contiguous gradient, which an expanded one
-    from ``sum()`` is not): grad_x = grad_y @ w^T grouped, grad_w[e] = x_e^T @ grad_y_e as one grouped GEMM.
+    Takes the weight in its stored (E, N, K) layout (``nn.Linear``'s out x in, per expert) and wraps
+    ``torch._grouped_mm`` with an explicit backward, for two reasons: the built-in backward needs a contiguous
+    gradient (an expanded one from ``sum()`` is not), and computing grad_w[e] = grad_y_e^T @ x_e directly in (E, N, K)
+    hands autograd a contiguous gradient in the parameter's own layout. The x^T @ grad_y form gives (E, K, N), whose
+    transpose AccumulateGrad copies into a new contiguous tensor: three strided copies of every expert weight per
+    step, measured at 17% of the experts' forward+backward time on CPU (BENCHMARKS.md, "wgrad layout").
     """
 
     @staticmethod
-    def forward(ctx: Any, x_SK: torch.Tensor, w_EKN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x_SK, w_EKN, offs_E)
-        return torch._grouped_mm(x_SK, w_EKN, offs=offs_E)
+    def forward(ctx: Any, x_SK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_SK, w_ENK, offs_E)
+        return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offs_E)
 
     @staticmethod
     def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
-        x_SK, w_EKN, offs_E = ctx.saved_tensors
+        x_SK, w_ENK, offs_E = ctx.saved_tensors
         grad_SN = grad_SN.contiguous()
-        grad_x = torch._grouped_mm(grad_SN, w_EKN.transpose(-2, -1), offs=offs_E) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = torch._grouped_mm(x_SK.t(), grad_SN, offs=offs_E)
-            # Rows past offs[-1] (padding) and experts with no rows contribute nothing; the kernel leaves empty
-            # groups' gradient at zero.
+        grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E) if ctx.needs_input_grad[0] else None
+        # Rows past offs[-1] (padding) and experts with no rows contribute nothing; the kernel leaves empty groups'
+        # gradient at zero.
+        grad_w = torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
 
 
-def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, tokens_per_expert_E: torch.Tensor,
+class _BatchedMM(torch.autograd.Function):
+    """y_ECN = x_ECK @ w_ENK^T: one batched GEMM over experts whose rows sit in equal slots of C rows.
+
+    Backward as :class:`_GroupedMM`: the weight gradient grad_y^T @ x comes out in the stored (E, N, K) layout.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x_ECK: torch.Tensor, w_ENK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_ECK, w_ENK)
+        return torch.bmm(x_ECK, w_ENK.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx: Any, grad_ECN: torch.Tensor):  # type: ignore[override]
+        x_ECK, w_ENK = ctx.saved_tensors
+        grad_ECN = grad_ECN.contiguous()
+        grad_x = torch.bmm(grad_ECN, w_ENK) if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(grad_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+def grouped_mm(x_SK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert_E: torch.Tensor,
                counts: list[int] | None = None, use_grouped_mm: bool = True) -> torch.Tensor:
     """Grouped GEMM: rows of ``x_SK`` are grouped by expert (``tokens_per_expert_E`` rows each, in expert order) and
-    each group is multiplied by its expert's ``w_EKN[e]``. Returns (S, N).
+    each group is multiplied by its expert's weight, given in the stored (E, N, K) layout: y_s = x_s @ w_ENK[e]^T.
+    Returns (S, N); rows past sum(tokens_per_expert_E) (capacity padding) are zero.
 
     Uses ``torch._grouped_mm`` where the build and device support it; otherwise an exact per-expert loop, which needs
     the counts on the host (``counts``; computed with one device-to-host copy if not given).
     """
     n_rows = x_SK.shape[0]
-    if use_grouped_mm and _grouped_mm_supported(x_SK, x_SK.shape[-1], w_EKN.shape[-1]):
+    if use_grouped_mm and _grouped_mm_supported(x_SK, x_SK.shape[-1], w_ENK.shape[-2]):
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-        y = _GroupedMM.apply(x_SK, w_EKN.to(x_SK.dtype), offs_E)
+        y = _GroupedMM.apply(x_SK, w_ENK.to(x_SK.dtype), offs_E)
+        if counts is not None and sum(counts) == n_rows:
+            return y  # no padding rows: nothing for the kernel to leave unwritten
         # The kernel leaves rows past the last offset (capacity padding) unwritten: zero them.
         return torch.where((torch.arange(n_rows, device=y.device) < offs_E[-1]).unsqueeze(-1), y, 0)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync: the loop needs python ints
     n_used = sum(counts)
-    outs = [xe @ w_EKN[e].to(x_SK.dtype) for e, xe in enumerate(torch.split(x_SK[:n_used], counts, dim=0))]
+    outs = [xe @ w_ENK[e].to(x_SK.dtype).t() for e, xe in enumerate(torch.split(x_SK[:n_used], counts, dim=0))]
     rest = n_rows - n_used
     if rest:
-        outs.append(x_SK.new_zeros(rest, w_EKN.shape[-1]))
+        outs.append(x_SK.new_zeros(rest, w_ENK.shape[-2]))
     return torch.cat(outs, dim=0)
+
+
+#: Largest share of padding rows the CPU batched path accepts (E * max count <= (1 + share) * rows); beyond it the
+#: wasted FLOPs cost more than the batched GEMM gains over ``torch._grouped_mm``'s per-expert loop (BENCHMARKS.md).
+PADDED_BMM_MAX_PAD = 0.25
+
+
+def padded_slots(counts: list[int], n_rows: int, max_pad: float = PADDED_BMM_MAX_PAD
+                 ) -> tuple[int, torch.Tensor | None] | None:
+    """Where each grouped row goes in an (E, C) slot layout with C = max count, for a batched GEMM over experts.
+
+    Returns (C, slot_S) where slot_S[s] = e(s) * C + (rank of s within its expert), or slot_S None when every expert
+    has exactly C rows (the layout is then a free view); None when the layout does not apply: trailing padding rows
+    (sum(counts) != n_rows), no rows, or more than ``max_pad`` padding.
+    """
+    n = sum(counts)
+    C = max(counts) if counts else 0
+    if n != n_rows or n == 0 or len(counts) * C > (1 + max_pad) * n:
+        return None
+    if min(counts) == C:
+        return C, None
+    counts_E = torch.tensor(counts)
+    starts_E = counts_E.cumsum(0) - counts_E
+    expert_S = torch.repeat_interleave(torch.arange(len(counts)), counts_E, output_size=n)
+    return C, expert_S * C + (torch.arange(n) - starts_E[expert_S])
 
 
 class GroupedExperts(nn.Module):
     """Routed experts with stacked SwiGLU weights, computed as grouped GEMMs over rows sorted by expert.
 
-    Parameters: w1_EFD (gate), w3_EFD (up), w2_EDF (down). Under expert parallelism ``parallelize`` keeps only this
-    rank's slice of El = E/EP experts; the module is the same.
+    Parameters: w1_EFD (gate), w3_EFD (up), w2_EDF (down), each in ``nn.Linear``'s (out, in) layout per expert. Under
+    expert parallelism ``parallelize`` keeps only this rank's slice of El = E/EP experts; the module is the same.
+
+    Kernels: ``torch._grouped_mm`` (CUDA sm90+, CPU). On CPU, when the groups are within
+    ``PADDED_BMM_MAX_PAD`` of equal size, the rows are placed once in equal (E, C) slots and the SwiGLU runs as
+    batched GEMMs (``torch.bmm``): the CPU ``_grouped_mm`` kernel is a loop of separately threaded small GEMMs, and
+    one batched call per GEMM measured 8% faster at the benchmark's expert shapes (BENCHMARKS.md). With
+    ``use_grouped_mm = False``, an exact per-expert loop (the reference the tests compare with).
 
     forward(x_SD, tokens_per_expert_E) -> (S, D). Rows past sum(tokens_per_expert) (capacity padding) give zeros.
     """
@@ -209,12 +265,30 @@ class GroupedExperts(nn.Module):
     def forward(self, x_SD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(x_SD)
         x_SD = x_SD.to(dtype)
+        S, D = x_SD.shape
+        cpu = x_SD.device.type == "cpu"
         fast = self.use_grouped_mm and _grouped_mm_supported(x_SD, self.w1_EFD.shape[1], self.w1_EFD.shape[2])
-        counts = None if fast else tokens_per_expert_E.tolist()  # host sync only on the loop path
-        h1_SF = grouped_mm(x_SD, self.w1_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
-        h3_SF = grouped_mm(x_SD, self.w3_EFD.transpose(1, 2), tokens_per_expert_E, counts, self.use_grouped_mm)
-        return grouped_mm(F.silu(h1_SF) * h3_SF, self.w2_EDF.transpose(1, 2), tokens_per_expert_E, counts,
-                          self.use_grouped_mm)
+        # Counts on the host: free on CPU; on CUDA only the loop path pays the sync.
+        counts = tokens_per_expert_E.tolist() if cpu or not fast else None
+        if self.use_grouped_mm and cpu:
+            slots = padded_slots(counts, S)
+            if slots is not None:
+                return self._forward_padded(x_SD, *slots, dtype)
+        h1_SF = grouped_mm(x_SD, self.w1_EFD, tokens_per_expert_E, counts, self.use_grouped_mm)
+        h3_SF = grouped_mm(x_SD, self.w3_EFD, tokens_per_expert_E, counts, self.use_grouped_mm)
+        return grouped_mm(F.silu(h1_SF) * h3_SF, self.w2_EDF, tokens_per_expert_E, counts, self.use_grouped_mm)
+
+    def _forward_padded(self, x_SD: torch.Tensor, C: int, slot_S: torch.Tensor | None,
+                        dtype: torch.dtype) -> torch.Tensor:
+        E, D = self.w1_EFD.shape[0], x_SD.shape[1]
+        if slot_S is None:
+            x_ECD = x_SD.view(E, C, D)
+        else:
+            # Padding slots stay zero; their outputs are never read back.
+            x_ECD = x_SD.new_zeros(E * C, D).index_copy(0, slot_S, x_SD).view(E, C, D)
+        h_ECF = F.silu(_BatchedMM.apply(x_ECD, self.w1_EFD.to(dtype))) * _BatchedMM.apply(x_ECD, self.w3_EFD.to(dtype))
+        y_SD = _BatchedMM.apply(h_ECF, self.w2_EDF.to(dtype)).reshape(E * C, D)
+        return y_SD if slot_S is None else y_SD.index_select(0, slot_S)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

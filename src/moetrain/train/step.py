@@ -64,13 +64,13 @@ def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float, ct
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     device = grads[0].device if grads else ctx.device
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    if grads:
+        # Multi-tensor kernels: no full-size fp32 temporary per parameter (squaring tiny gradients elementwise
+        # also produced subnormal floats, which run up to 10x slower on x86).
+        sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
     total = math.sqrt(float(_all_reduce(sq, ctx, "gradient-norm all-reduce")))
-    if max_norm > 0 and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+    if max_norm > 0 and total > max_norm and grads:
+        torch._foreach_mul_(grads, max_norm / (total + 1e-6))
     return total
 
 
