@@ -19,8 +19,12 @@ How a step is built (docs/performance-model.md has the long version):
    ``share`` of the SMs) instead of ``compute + a2a``, except in pipeline warm-up/cool-down where no partner
    micro-batch exists.
 4. **Pipeline.** ``step = m * t_slowest_device + bubble`` with the bubble of 1F1B ``(PP-1) t``, interleaved
-   ``(PP-1)/VPP t`` or DualPipe ``(PP/2-1)(F&B + B - 3W)``; plus the data-parallel gradient reduce-scatter and
+   ``(PP-1)/VPP t`` or DualPipe ``(PP/2-1)(F&B + B - 3W)``; plus the pipeline P2P where the schedule exposes it
+   (1F1B; Megatron's combined 1F1B = interleaved + EP overlap, minus the deferred attention weight gradient;
+   hidden in plain interleaved 1F1B and DualPipe); plus the data-parallel gradient reduce-scatter and
    parameter all-gather not hidden behind the last/first micro-batch, plus the optimizer step (memory-bound).
+   Real routing without an explicit imbalance factor: the max/mean load per EP rank is solved so that the step is
+   ``constants.REAL_ROUTING_SLOWDOWN`` times the forced-balanced step (the published statement is per step).
 5. **Memory** per GPU: weights, FP8 weight copies, gradients, sharded optimizer states, the activations of the
    micro-batches in flight on the busiest pipeline rank, and a fixed reserve. A plan that does not fit is
    reported as not fitting and gets no throughput.
@@ -40,6 +44,7 @@ import numpy as np
 from moetrain.plan.constants import (
     ELEMENTWISE_BWD_TO_FWD,
     FP8_BYTES,
+    REAL_ROUTING_SLOWDOWN,
     RESERVED_GIB,
     ROUTING_SAMPLES,
     Efficiency,
@@ -163,6 +168,7 @@ class ItemCost:
     a2a_s: float = 0.0
     tp_s: float = 0.0
     cp_s: float = 0.0
+    attn_wgrad_s: float = 0.0  # weight-gradient GEMMs of the attention projections (a part of gemm_s)
     act_bytes: float = 0.0
     params_dense: float = 0.0
     params_expert: float = 0.0
@@ -300,6 +306,7 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         shapes = [(T, h, (s.q_width + 2 * s.n_kv_heads * s.qk_head_dim) / tp, 1), (T, s.o_width / tp, h, 1)]
     t, cast = c.gemm_time(flops_proj, shapes, c.gemm_peak)
     cost.gemm_s += t
+    cost.attn_wgrad_s += t / 3  # forward, data gradient, weight gradient: a third each
     cost.mem_s += cast
     # attention core: MMAs at the attention peak, softmax exponentials at the SFU rate (forward + recompute in bwd)
     n_exp = T * (s.n_heads / tp) * p.seq_len
@@ -629,7 +636,9 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
         model: a preset name, HF config.json path, ModelConfig / GQAMoEConfig, or ModelShape.
         gpu: a GPUSpec or catalogue name.
         n_gpus: GPU count.
-        plan: the plan (validated here; DP is derived when None).
+        plan: the plan (validated here; DP is derived when None). Real routing without an ``imbalance`` factor
+            gets the factor that makes its step ``constants.REAL_ROUTING_SLOWDOWN`` times the forced-balanced
+            step (:func:`_solve_real_imbalance`); the returned prediction's plan carries it.
         op_counts: operators per forward + backward of each item kind, for machines with a measured per-operator
             overhead (:func:`moetrain.plan.local.count_ops`); None = a generic estimate.
 
@@ -644,6 +653,67 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
     shape = load_shape(model)
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = validate(plan, shape, spec, n_gpus)
+    if plan.routing == "real" and plan.imbalance is None:
+        x, base = _solve_real_imbalance(shape, spec, n_gpus, plan, op_counts)
+        pred = _predict_at(shape, spec, n_gpus, plan.replace(imbalance=x), op_counts=op_counts,
+                           _ignore_memory=_ignore_memory)
+        pred.details["real_routing"] = {
+            "target_slowdown": REAL_ROUTING_SLOWDOWN, "solved_imbalance": x, "balanced_step_s": base,
+            "note": "max/mean load per EP rank at which this plan's step is REAL_ROUTING_SLOWDOWN x its "
+                    "forced-balanced step (published: unforced routing 8-20% slower)"}
+        return pred
+    return _predict_at(shape, spec, n_gpus, plan, op_counts=op_counts, _ignore_memory=_ignore_memory)
+
+
+def _solve_real_imbalance(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan,
+                          op_counts: dict[str, float] | None) -> tuple[float, float]:
+    """The max/mean load per EP rank at which ``plan`` (real routing) is ``REAL_ROUTING_SLOWDOWN`` times slower
+    than the same plan forced-balanced; also returns the balanced step time.
+
+    The step grows monotonically (piecewise linearly) with the imbalance, so a bracketed regula falsi (Illinois)
+    converges in a few evaluations of the model. If no factor up to 16 slows the step enough (a plan with almost
+    no expert work) 16 is returned.
+    """
+    def step(x: float | None) -> float:
+        p = plan.replace(routing="balanced") if x is None else plan.replace(imbalance=x)
+        return _predict_at(shape, spec, n_gpus, p, op_counts=op_counts, _ignore_memory=True).step.step
+
+    base = step(None)
+    target = REAL_ROUTING_SLOWDOWN * base
+    lo, f_lo = 1.0, step(1.0) - target
+    if f_lo >= 0:
+        return 1.0, base
+    hi = 1.0 + 2 * (REAL_ROUTING_SLOWDOWN - 1)
+    f_hi = step(hi) - target
+    while f_hi < 0 and hi < 16.0:
+        lo, f_lo = hi, f_hi
+        hi = min(16.0, 2 * hi)
+        f_hi = step(hi) - target
+    if f_hi < 0:
+        return hi, base
+    side = 0
+    x = hi
+    for _ in range(60):
+        x = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        f = step(x) - target
+        if abs(f) <= 1e-12 * target or hi - lo <= 1e-12:
+            break
+        if f < 0:
+            lo, f_lo = x, f
+            if side == -1:
+                f_hi /= 2
+            side = -1
+        else:
+            hi, f_hi = x, f
+            if side == 1:
+                f_lo /= 2
+            side = 1
+    return float(x), base
+
+
+def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
+                op_counts: dict[str, float] | None = None, _ignore_memory: bool = False) -> Prediction:
+    """:func:`predict` for a validated plan whose routing imbalance is known."""
     eff = efficiency_for(spec.generation)
     c = _Ctx(shape, spec, plan, eff, op_counts)
     sched = plan.resolved_schedule
@@ -666,9 +736,39 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
 
     # pipeline P2P per stage boundary and micro-batch (activations forward, gradients backward)
     p2p_bytes = c.tok_mb / (plan.cp * plan.tp) * shape.dim * 2
-    p2p_link = c.link(plan.stage_size * 2 > c.domain) if plan.pp > 1 else c.nvl
+    # stages are blocks of consecutive ranks (PP outermost): once the pipeline outgrows one NVLink domain some
+    # boundary (and, interleaved, the wrap from the last rank to the first) crosses the NIC, and since every
+    # rank waits on its neighbours each step, the slowest boundary paces all of them
+    p2p_link = c.link(plan.stage_size * plan.pp > c.domain) if plan.pp > 1 else c.nvl
     p2p_t = 2 * (p2p_bytes / p2p_link + P2P_LATENCY_S) if plan.pp > 1 else 0.0
+    # Which schedules hide the P2P transfers:
+    # * 1F1B (Megatron, no interleaving): blocking send/recv between the steps -> exposed.
+    # * interleaved 1F1B without EP overlap: with ``overlap_p2p_comm`` the forward send/recv is posted after a
+    #   chunk's forward and waited before the next forward, so it runs under the backward of the same 1F1B step
+    #   (and the backward's under the next forward) -> hidden.
+    # * interleaved 1F1B with EP overlap = Megatron's combined 1F1B (``overlap_moe_expert_parallel_comm`` /
+    #   Megatron-Bridge ``moe_a2a_overlap``): the forward of one chunk and the backward of another are merged into
+    #   ONE step (``combined_1f1b.combined_forward_backward_step`` ->
+    #   ``TransformerModelChunkSchedulePlan.run``), so the activation this rank's forward produces leaves only at
+    #   the end of the merged step (``post_forward``), and the next merged step starts by waiting for the
+    #   neighbours' (``pre_forward`` / ``pre_backward``). Between the two only the deferred weight gradient of
+    #   the chunk's first attention runs ("Delay the last attn_dw in backward pass ... for overlapping with the
+    #   p2p comm", megatron/core/models/common/model_chunk_schedule_plan.py): the transfer minus that dW is
+    #   exposed, once per model chunk per micro-batch. Forward and backward sends leave on the same NIC at once
+    #   (to the next and previous stage), hence the 2x of p2p_t.
+    # * DualPipe: "both all-to-all and PP communication can be fully hidden" (DeepSeek-V3 report sec. 3.2.1).
     p2p_exposed = sched == "1f1b"
+    p2p_combined = sched == "interleaved" and overlap and plan.pp > 1
+
+    def p2p_stage(items: list[str]) -> float:
+        """P2P time a stage adds per micro-batch on its rank."""
+        if p2p_exposed:
+            return p2p_t
+        if p2p_combined:
+            first = next((k for k in items if k in ("d", "t", "m")), None)
+            hide = costs[first].attn_wgrad_s if first else 0.0
+            return max(0.0, p2p_t - hide)
+        return 0.0
 
     def dp_time(params: float, group: int, stride: int, bytes_per: float) -> float:
         """Reduce-scatter (or all-gather) of ``params`` over a data-parallel group whose members are ``stride``
@@ -715,9 +815,9 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
                 parts["comm"] += comm
                 parts["compute"] += t - a - comm
                 t_total += t
-            if p2p_exposed:
-                parts["comm"] += p2p_t
-                t_total += p2p_t
+            t_p2p = p2p_stage(stages[s_idx])
+            parts["comm"] += t_p2p
+            t_total += t_p2p
         if sched == "dualpipe":  # each micro-batch visits one of the rank's two stages
             parts = {k: v / 2 for k, v in parts.items()}
             t_total /= 2
@@ -812,7 +912,10 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
         "routing": asdict(c.rstats),
         "ep_overlap_unpaired_fraction": u if overlap else None,
         "dp_reduce_scatter_s": rs, "dp_all_gather_s": ag,
-        "pp_p2p_per_microbatch_s": p2p_t, "memory_per_device_gib": [mb.total for mb in mems],
+        "pp_p2p_per_microbatch_s": p2p_t,
+        "pp_p2p_exposed_per_microbatch_s": [
+            sum(p2p_stage(stages[i]) for i in sts) / (2 if sched == "dualpipe" else 1) for sts in dev_stages],
+        "memory_per_device_gib": [mb.total for mb in mems],
         "efficiency": eff.to_dict(),
     }
     pred = Prediction(model=shape.name, gpu=spec.name, n_gpus=n_gpus, plan=plan, fits=mem.total <= limit,

@@ -19,7 +19,6 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moetrain.plan.constants import REAL_ROUTING_IMBALANCE
 from moetrain.plan.hardware import GPUSpec
 from moetrain.plan.shape import ModelShape
 
@@ -62,7 +61,9 @@ class Plan:
         ep_overlap: hide the expert all-to-all behind the compute of another micro-batch (Megatron
             ``moe_a2a_overlap`` / DeepSeek's F&B chunk pairs). Always on with the DualPipe schedule.
         routing: "balanced" (forced perfect balance, as the benchmark records) or "real" (learned routing).
-        imbalance: max/mean tokens per EP rank for real routing (None = constants.REAL_ROUTING_IMBALANCE).
+        imbalance: max/mean tokens per EP rank for real routing. None = the factor that makes this plan's step
+            ``constants.REAL_ROUTING_SLOWDOWN`` times the forced-balanced step (the published 8-20%), solved by
+            :func:`moetrain.plan.model.predict`; the prediction's plan carries the solved value.
         node_limit_m: node-limited routing: each token goes to experts on at most M NVLink domains (DeepSeek-V3:
             4 nodes). None = derived from group-limited routing when groups align with domains, else no limit.
         schedule: "1f1b", "interleaved" (needs vpp > 1) or "dualpipe" (vpp must be 1). None = interleaved when
@@ -140,9 +141,14 @@ class Plan:
 
     @property
     def load_imbalance(self) -> float:
+        """max/mean tokens per EP rank. Real routing without a factor is resolved by the cost model
+        (``predict`` solves it from ``constants.REAL_ROUTING_SLOWDOWN``) before any cost is computed."""
         if self.routing == "balanced":
             return 1.0
-        return float(self.imbalance) if self.imbalance is not None else REAL_ROUTING_IMBALANCE
+        if self.imbalance is None:
+            raise ValueError("real routing without an imbalance factor: moetrain.plan.model.predict solves it "
+                             "from constants.REAL_ROUTING_SLOWDOWN; pass imbalance= to cost the plan directly")
+        return float(self.imbalance)
 
     @property
     def overlapped(self) -> bool:
@@ -175,7 +181,9 @@ class Plan:
             s += "(" + "+".join(self.recompute_modules) + ")"
         s += f" {self.resolved_schedule}"
         s += " ep-overlap" if self.overlapped else ""
-        s += f" routing-{self.routing}" + (f"x{self.load_imbalance:g}" if self.routing == "real" else "")
+        s += f" routing-{self.routing}"
+        if self.routing == "real" and self.imbalance is not None:
+            s += f"x{self.imbalance:.3g}"
         if self.node_limit_m:
             s += f" M{self.node_limit_m}"
         return s
