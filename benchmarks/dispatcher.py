@@ -108,7 +108,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
         if s.device == "cuda":
             torch.cuda.synchronize()
 
-    n_warm, n_rounds = (1, 4) if s.quick else (2, 10)
+    n_warm, n_rounds = (1, 4) if s.quick else (2, 24)
     for run in runs:
         with P.patched(run["patches"]):
             for _ in range(n_warm):

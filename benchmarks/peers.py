@@ -130,7 +130,7 @@ def hf_causal_lm_from_moetrain(src: nn.Module, cfg: ModelConfig, impl: str, devi
     hcfg.torch_dtype = torch.float32
     with torch.device(device):
         m = DeepseekV3ForCausalLM(hcfg)  # real buffers (rotary tables); its random weights are overwritten below
-    ours = dict(src.named_parameters()) | dict(src.named_buffers())
+    ours = moetrain_tensors(src)
     sd: dict[str, torch.Tensor] = {}
     for k in m.state_dict():
         name = k.removeprefix("model.")
@@ -246,7 +246,7 @@ def titan_model_from_moetrain(src: nn.Module, cfg: ModelConfig, device: str, fp3
              "lm_head.weight": "lm_head.weight"}
     for i in range(cfg.n_layers):
         names.update(_titan_names(str(i), cfg.is_moe_layer(i)))
-    ours = dict(src.named_parameters()) | dict(src.named_buffers())
+    ours = moetrain_tensors(src)
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(names))
     if missing:
@@ -319,6 +319,17 @@ def copy_moe_weights(dst, src) -> None:
         if src.shared_experts is not None:
             for a, b in zip(dst.shared_experts.parameters(), src.shared_experts.parameters()):
                 a.copy_(b)
+
+
+def moetrain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """moetrain's parameters and buffers by name, plus the gate/up views ``...experts.w1_EFD`` / ``w3_EFD`` of every
+    stacked ``w13_E2FD`` (the peers store the two projections separately)."""
+    from moetrain.model.moe import GroupedExperts
+    out = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, mod in model.named_modules():
+        if isinstance(mod, GroupedExperts):
+            out[f"{name}.w1_EFD"], out[f"{name}.w3_EFD"] = mod.w1_EFD, mod.w3_EFD
+    return out
 
 
 def peer_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas=(0.9, 0.95), eps: float = 1e-8):

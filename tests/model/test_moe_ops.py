@@ -65,9 +65,10 @@ def test_single_expert_top1_equals_swiglu(use_grouped_mm):
     (y_moe * g).sum().backward()
     (y_ffn * g).sum().backward()
     torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(moe.experts.w1_EFD.grad[0], ffn.w1.weight.grad, rtol=1e-5, atol=1e-6)
+    g1, g3 = moe.experts.w13_E2FD.grad[0].chunk(2, dim=0)  # [gate; up] stacked along the output dim
+    torch.testing.assert_close(g1, ffn.w1.weight.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(moe.experts.w2_EDF.grad[0], ffn.w2.weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(moe.experts.w3_EFD.grad[0], ffn.w3.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g3, ffn.w3.weight.grad, rtol=1e-5, atol=1e-6)
     # The gate weight s/s is constant, so the router gets (numerically) no gradient.
     assert moe.gate.weight.grad is None or moe.gate.weight.grad.abs().max() < 1e-6
 

@@ -227,8 +227,12 @@ def init_weights(model: Transformer, std: float | None = None) -> None:
     for moe in model.moe_layers():
         nn.init.normal_(moe.gate.weight, 0.0, std)
         moe.gate.expert_bias.zero_()
+        # Drawn as three contiguous tensors in w1, w2, w3 order: the same numbers for every expert storage layout.
         for p in (moe.experts.w1_EFD, moe.experts.w2_EDF, moe.experts.w3_EFD):
-            nn.init.normal_(p, 0.0, std)
+            if p.is_contiguous():
+                nn.init.normal_(p, 0.0, std)
+            else:
+                p.copy_(nn.init.normal_(torch.empty_like(p, memory_format=torch.contiguous_format), 0.0, std))
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None, seed: int | None = 0) -> Transformer:

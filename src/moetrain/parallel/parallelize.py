@@ -77,8 +77,7 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
 def _keep_local_experts(experts: GroupedExperts, offset: int, n_local: int) -> None:
     if n_local == experts.n_experts:
         return
-    for name in ("w1_EFD", "w2_EDF", "w3_EFD"):
-        full = getattr(experts, name)
+    for name, full in list(experts.named_parameters(recurse=False)):
         setattr(experts, name, nn.Parameter(full.detach()[offset:offset + n_local].clone()))
     experts.n_experts = n_local
 
