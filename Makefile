@@ -8,6 +8,11 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Benchmark peers (only `make bench` installs them): TorchTitan into the venv (it does not depend on torch, so the
+# pinned torch stays); triton, which TorchTitan's MoE module imports unconditionally but moetrain never needs, into a
+# separate directory that only the TorchTitan benchmark processes put on sys.path, so the environment the tests
+# run in stays exactly what `make setup` installs.
+PEERS_STAMP := .cache/bench-peers/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
@@ -27,7 +32,12 @@ train: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+$(PEERS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q "torchtitan==0.3.0"
+	$(BIN)/python -m pip install -q --no-deps --target .cache/bench-peers "triton==3.9.0"
+	touch $(PEERS_STAMP)
+
+bench: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python benchmarks/run_all.py $(ARGS)
 
 clean:

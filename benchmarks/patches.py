@@ -3,10 +3,9 @@
 replaces functions through :func:`_set` (so :func:`restore` can undo it) and must not change results beyond
 floating-point rounding (the suite checks "same function" against unpatched moetrain).
 
-History (BENCHMARKS.md has the measurements): ``wgrad_layout``, ``cpu_experts_bmm``, ``grad_norm_foreach`` and
-``fused_adamw`` were measured here and moved into ``src`` (commit "Speed: ..."); ``fused_gate_up`` (one grouped
-GEMM on [w1; w3]) was measured slower than two on CPU and dropped. No proposal is pending, so ``DEFAULT`` is empty
-and the suite measures ``src`` as it is.
+History (BENCHMARKS.md has the measurements): ``wgrad_layout``, ``cpu_experts_bmm``, ``fused_gate_up``,
+``grad_norm_foreach`` and ``fused_adamw`` were measured here and moved into ``src``. No proposal is pending, so
+``DEFAULT`` is empty and the suite measures ``src`` as it is.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=2, help="torch threads for every system (dispatcher: 1 per process)")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per system (median reported)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per system (best of them reported, median shown)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--no-patches", action="store_true", help="skip the moetrain+patch rows (proposed src patches)")
     p.add_argument("--patches", default=None, help="comma-separated proposed patches that make up moetrain+patch "
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"machine: {info['cpu']} ({info['cores_visible']} cores), {info.get('gpu', 'no GPU')}, torch "
           f"{info['torch']}, transformers {info['transformers']}, torchtitan {info['torchtitan']}")
     print(f"settings: preset {s.preset}, batch {s.batch} x seq {s.seq_len}, {s.dtype} on {s.device}, "
-          f"{s.threads} threads, {s.warmup} warm-up + {s.iters} timed steps (median)")
+          f"{s.threads} threads, {s.warmup} warm-up + {s.iters} timed steps (best; median shown)")
     if patch_names:
         print(f"proposed patches measured as moetrain+patch: {', '.join(patch_names)}")
     results: dict[str, Any] = {"command": command, "machine": info, "settings": s.to_dict(),
@@ -218,11 +218,11 @@ def _matmul_ceiling(cases: dict[str, Any]) -> dict[str, Any]:
     lim = next((x for x in gg.get("rows", []) if x["label"].startswith("plain matmul")), None)
     if peer not in rows or "moetrain" not in rows or lim is None:
         return {}
-    flops = rows["moetrain"]["tflops"] * 1e12 * rows["moetrain"]["median_s"]
+    flops = rows["moetrain"]["tflops"] * 1e12 * rows["moetrain"]["min_s"]
     bound_s = flops / lim["fwd_bwd_flops_per_s"]
-    return {"matmul_bound_ms": bound_s * 1e3, "ceiling_vs_fastest_peer": rows[peer]["median_s"] / bound_s,
-            "moetrain_share_of_bound": bound_s / rows["moetrain"]["median_s"],
-            "peer_share_of_bound": bound_s / rows[peer]["median_s"]}
+    return {"matmul_bound_ms": bound_s * 1e3, "ceiling_vs_fastest_peer": rows[peer]["min_s"] / bound_s,
+            "moetrain_share_of_bound": bound_s / rows["moetrain"]["min_s"],
+            "peer_share_of_bound": bound_s / rows[peer]["min_s"]}
 
 
 def _load(x: dict[str, Any]) -> str:
@@ -248,7 +248,7 @@ def markdown(r: dict[str, Any]) -> str:
              f"{m.get('gpu', 'no GPU')}; torch {m['torch']}, transformers {m['transformers']}, "
              f"torchtitan {m['torchtitan']}; git {m['git']}",
              f"- settings: preset `{s['preset']}` (mtp_depth=0, plain RoPE), batch {s['batch']} x seq {s['seq_len']},"
-             f" {s['dtype']} on {s['device']}, {s['threads']} threads per system, median of {s['iters']} timed "
+             f" {s['dtype']} on {s['device']}, {s['threads']} threads per system, best of {s['iters']} timed "
              f"steps after {s['warmup']} warm-up",
              "- 1-min load at each case's start/end: " + ", ".join(
                  f"{c} {v['load_at_start']:.2f}/{v['load_at_end']:.2f}{'' if v['quiet'] else ' (NOT QUIET)'}"
@@ -264,7 +264,7 @@ def markdown(r: dict[str, Any]) -> str:
         title = ("MoE layer forward+backward" if case == "moe_layer"
                  else "Training step (fwd + bwd + clip + AdamW)")
         lines += [f"**{title}**", "",
-                  "| system | tokens/s | ms/step | GFLOP/s (Megatron) | " + ("MFU | " if s["device"] == "cuda" else "")
+                  "| system | tokens/s | ms/step best (median) | GFLOP/s (Megatron) | " + ("MFU | " if s["device"] == "cuda" else "")
                   + "peak mem MiB | vs fastest peer | same function | load start/end |",
                   "|---|---:|---:|---:|" + ("---:|" if s["device"] == "cuda" else "") + "---:|---:|---|---|"]
         fastest = c.get("ratios", {}).get("fastest_peer")
@@ -283,7 +283,7 @@ def markdown(r: dict[str, Any]) -> str:
                         f" ({x['rel_loss_diff_vs_moetrain']:.0e})" if "rel_loss_diff_vs_moetrain" in x else ""))
             mfu = f"{x['mfu'] * 100:.1f}% | " if s["device"] == "cuda" and "mfu" in x else (
                 "- | " if s["device"] == "cuda" else "")
-            lines.append(f"| {x['system']} | {x['tokens_per_s']:.1f} | {x['median_s'] * 1e3:.1f} | "
+            lines.append(f"| {x['system']} | {x['tokens_per_s']:.1f} | {x['min_s'] * 1e3:.1f} ({x['median_s'] * 1e3:.1f}) | "
                          f"{x['tflops'] * 1e3:.1f} | {mfu}{x['peak_mem_mb']:.0f} | {_f(ratio)}"
                          f"{' (fastest peer)' if x['system'] == fastest else ''} | {same} | {_load(x)} |")
         for n in c.get("notes", []):

@@ -138,8 +138,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         check.update(rel_loss_diff_vs_moetrain=err, same_function=err <= tol)
     t = time_fn(step, s, warmup=max(0, s.warmup - 1))
     fpt = flops_per_token(cfg, s.seq_len).megatron
-    tflops = fpt * T / t["median_s"] / 1e12
-    res = {"system": system, "tokens": T, "tokens_per_s": T / t["median_s"], "tflops": tflops,
+    tflops = fpt * T / t["min_s"] / 1e12
+    res = {"system": system, "tokens": T, "tokens_per_s": T / t["min_s"], "tflops": tflops,
            "flops_per_token": fpt, **t, **probe.peak_mb(), **check}
     if s.device == "cuda":
         from moetrain.plan.hardware import get_gpu
@@ -214,5 +214,5 @@ def _row_line(r: dict[str, Any]) -> str:
     if "rel_loss_diff_vs_moetrain" in r:
         chk = f"  loss diff {r['rel_loss_diff_vs_moetrain']:.1e}{'' if r['same_function'] else ' MISMATCH'}"
     mfu = f"  MFU {r['mfu'] * 100:.1f}%" if "mfu" in r else ""
-    return (f"{r['system']:<18} {r['tokens_per_s']:>9.1f} tok/s  {r['median_s']:7.3f} s/step  "
+    return (f"{r['system']:<18} {r['tokens_per_s']:>9.1f} tok/s  {r['min_s']:7.3f} s/step (median {r['median_s']:.3f})  "
             f"{r['tflops'] * 1e3:7.1f} GFLOP/s{mfu}  peak {r['peak_mem_mb']:7.0f} MiB  loss {r['first_loss']:.5f}{chk}")

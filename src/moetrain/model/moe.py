@@ -246,8 +246,8 @@ class GroupedExperts(nn.Module):
     rows [0, F) gate and [F, 2F) up, as Megatron-Core's grouped ``fc1`` and transformers-v5's ``gate_up_proj`` -- and
     ``w2_EDF`` (down), in ``nn.Linear``'s (out, in) layout per expert. ``w1_EFD`` / ``w3_EFD`` are views into
     ``w13_E2FD`` (writes through them land in the parameter). One GEMM of width 2F instead of two of width F halves
-    the per-expert calls of the gate/up projection, forward and backward: measured 10-15% of a CPU training step
-    of the ``small`` preset, where skewed early routing leaves many small per-expert GEMMs (BENCHMARKS.md).
+    the per-expert calls of the gate/up projection, forward and backward: about 10% of a CPU training step of the
+    ``small`` preset, where skewed early routing leaves many small per-expert GEMMs (BENCHMARKS.md).
     Under expert parallelism ``parallelize`` keeps only this rank's slice of El = E/EP experts.
 
     Kernels: ``torch._grouped_mm`` (CUDA sm90+, CPU). On CPU, when the groups are within ``PADDED_BMM_MAX_PAD``
