@@ -12,7 +12,8 @@ Overhead per token = t(EP=2) / t(EP=1) - 1, with t the median over steps of the 
 layouts (and their patched twins) are built once in the same 2 processes and timed round-robin, one step of each
 per round, so that load from other processes on the shared cores hits every layout alike.
 Reported for overlap on/off and n_chunks 1 and 2; the dispatcher's own counters give the all-to-all time and the
-part of it that was exposed (not hidden behind compute).
+part of it that was exposed (not hidden behind compute), and the rows each process sent to the other (the
+all-to-all dispatcher sends a token once per destination rank unless a config says ``"dedup": False``).
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
                 copy_moe_weights(moe, ref)
                 if c["ep"] > 1:
                     moe.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, c["ep"], ctx.ep_rank, ctx.ep_group,
-                                                        CapacityConfig(), c["overlap"])
+                                                        CapacityConfig(), c["overlap"], c.get("dedup", True))
                 else:
                     moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
                 parallelize._keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset,
@@ -115,6 +116,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
                 step(run)
         st = run["moe"].dispatcher.stats
         st.a2a_seconds = st.exposed_seconds = 0.0
+        st.rows_sent = st.remote_rows_sent = 0
     # Round-robin: one step of every layout per round, so that load from other processes hits all layouts alike.
     for _ in range(n_rounds):
         for run in runs:
@@ -131,7 +133,8 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
         st = run["moe"].dispatcher.stats
         out.append({**run["cfg"], "variant": run["label"], "median_s": statistics.median(run["times"]),
                     "times_s": run["times"], "a2a_s_per_step": st.a2a_seconds / n_rounds,
-                    "exposed_s_per_step": st.exposed_seconds / n_rounds, "tokens_per_rank": s.batch * s.seq_len})
+                    "exposed_s_per_step": st.exposed_seconds / n_rounds, "tokens_per_rank": s.batch * s.seq_len,
+                    "remote_rows_per_step": st.remote_rows_sent / n_rounds})
     return out
 
 
@@ -186,5 +189,6 @@ def run(s: Settings, patches: list[str], log=print) -> dict[str, Any]:
         for row in r[label]["rows"]:
             ov = f"overhead {row['overhead_vs_ep1'] * 100:+6.1f}%" if row["ep"] > 1 else "(reference)"
             log(f"    {row['name']:<28} {row['median_s'] * 1e3:8.1f} ms/step  {ov}   a2a "
-                f"{row['a2a_s_per_step'] * 1e3:6.1f} ms, exposed {row['exposed_s_per_step'] * 1e3:6.1f} ms")
+                f"{row['a2a_s_per_step'] * 1e3:6.1f} ms, exposed {row['exposed_s_per_step'] * 1e3:6.1f} ms, "
+                f"{row.get('remote_rows_per_step', 0):7.0f} rows/step to the other rank")
     return r

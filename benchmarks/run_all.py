@@ -315,12 +315,13 @@ def markdown(r: dict[str, Any]) -> str:
             continue
         lines += [f"**Dispatcher overhead, EP=2 vs EP=1, 2 processes x 1 thread, {d['backend']} "
                   f"({'as in src' if label == 'baseline' else 'with proposed patches'})**", "",
-                  "| layout | ms/step (slower rank) | overhead per token | all-to-all ms/step | exposed ms/step |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| layout | ms/step (slower rank) | overhead per token | all-to-all ms/step | exposed ms/step "
+                  "| rows/step to the other rank |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for x in d["rows"]:
             ov = _f(x.get("overhead_vs_ep1"), pct=True) if x["ep"] > 1 else "reference"
             lines.append(f"| {x['name']} | {x['median_s'] * 1e3:.1f} | {ov} | {x['a2a_s_per_step'] * 1e3:.1f} | "
-                         f"{x['exposed_s_per_step'] * 1e3:.1f} |")
+                         f"{x['exposed_s_per_step'] * 1e3:.1f} | {x.get('remote_rows_per_step', 0):.0f} |")
         lines.append("")
     g = r.get("goals", {})
     if g:

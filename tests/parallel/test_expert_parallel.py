@@ -32,9 +32,11 @@ def reference():
     return run_single(train_run, {}, 3, 2, None, False, ADAM_EPS)
 
 
-@pytest.mark.parametrize("dp,ep", [(2, 1), (1, 2), (2, 2), (1, 4)])
-def test_training_matches_single_process(reference, dp, ep):
-    ranks = _ok(run_ranks(dp * ep, train_run, {"ep": ep}, 3, 2, None, False, ADAM_EPS))
+# Token deduplication is the default of the all-to-all dispatcher (EP > 1); the per-assignment path is checked too.
+@pytest.mark.parametrize("dp,ep,dedup", [(2, 1, True), (1, 2, True), (2, 2, True), (1, 4, True),
+                                         (1, 2, False), (1, 4, False)])
+def test_training_matches_single_process(reference, dp, ep, dedup):
+    ranks = _ok(run_ranks(dp * ep, train_run, {"ep": ep, "dedup": dedup}, 3, 2, None, False, ADAM_EPS))
     for r in ranks:
         for got, want in zip(r["losses"], reference["losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], reference["losses"])

@@ -51,7 +51,8 @@ def train_run(pcfg_kwargs: dict, steps: int = 3, accum: int = 2, model_overrides
         losses.append(r.loss)
         stats.append({"dropped": r.dropped_tokens, "loads": r.tokens_per_expert_ME})
     comm = [{"a2a": m.dispatcher.stats.a2a_seconds, "exposed": m.dispatcher.stats.exposed_seconds,
-             "calls": m.dispatcher.stats.calls} for m in model.moe_layers()]
+             "calls": m.dispatcher.stats.calls, "rows_sent": m.dispatcher.stats.rows_sent,
+             "remote_rows_sent": m.dispatcher.stats.remote_rows_sent} for m in model.moe_layers()]
     return {"losses": losses, "params": full_state_dict(model, ctx), "stats": stats, "comm": comm}
 
 
@@ -112,8 +113,55 @@ def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: fl
             if ctx.distributed and ".experts.w" not in name:
                 pass  # FSDP already summed non-expert grads over all ranks
             grads[name.replace("layer.", "")] = gr.detach().clone()
+    st = layer.dispatcher.stats
     return {"y": y.detach(), "x_grad": x.grad.detach(), "grads": grads, "counts": stats.tokens_per_expert_E,
-            "dropped": int(stats.dropped)}
+            "dropped": int(stats.dropped), "rows_sent": st.rows_sent, "remote_rows_sent": st.remote_rows_sent}
+
+
+DEDUP_E, DEDUP_K, DEDUP_T, DEDUP_D = 8, 3, 12, 5
+
+
+def dedup_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Crafted routing for EP = 2 over E = 8 experts (4 per rank), K = 3: tokens 0-2 have all their experts on rank
+    0, tokens 3-4 all on rank 1, the rest random. Returns (x_TD, idx_TK, w_TK, expert matrices W_EDD)."""
+    E, K, T, D = DEDUP_E, DEDUP_K, DEDUP_T, DEDUP_D
+    g = torch.Generator().manual_seed(rank)
+    idx_TK = torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K]
+    idx_TK[:3] = torch.tensor([2, 0, 1])
+    idx_TK[3:5] = torch.tensor([5, 7, 4])
+    x_TD = torch.randn(T, D, generator=g)
+    w_TK = torch.rand(T, K, generator=g)
+    W_EDD = torch.randn(E, D, D, generator=torch.Generator().manual_seed(99))  # same "experts" on every rank
+    return x_TD, idx_TK, w_TK, W_EDD
+
+
+def dedup_expert_reference(x_TD, idx_TK, w_TK, W_EDD) -> torch.Tensor:
+    """y_t = sum_k w_tk * x_t @ W[idx_tk], computed directly."""
+    return (w_TK.unsqueeze(-1) * torch.einsum("td,tkde->tke", x_TD, W_EDD[idx_TK])).sum(dim=1)
+
+
+def dedup_rows_run(overlap: bool = True) -> dict:
+    """The all-to-all dispatcher alone, both paths, on :func:`dedup_inputs` routing at EP = 2: what each sent,
+    what the experts received, the combined output and the gradients of sum(y^2) w.r.t. x and the gate weights."""
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+
+    ctx = init_parallel(ParallelConfig(ep=2), DEDUP_E)
+    x_TD, idx_TK, w_TK, W_EDD = dedup_inputs(ctx.rank)
+    out: dict[str, Any] = {}
+    for dedup in (True, False):
+        d = AllToAllDispatcher(DEDUP_E, 2, ctx.ep_rank, ctx.ep_group, overlap=overlap, dedup=dedup)
+        assert d.dedup == dedup
+        x, w = x_TD.clone().requires_grad_(True), w_TK.clone().requires_grad_(True)
+        x_AD, counts_El, state = d.dispatch(x, idx_TK, w).wait()
+        expert_A = torch.repeat_interleave(torch.arange(d.n_local_experts), counts_El) + d.local_expert_offset
+        y_AD = torch.bmm(x_AD.unsqueeze(1), W_EDD[expert_A]).squeeze(1)
+        y_TD = d.combine(y_AD, state).wait()
+        gx, gw = torch.autograd.grad((y_TD * y_TD).sum(), [x, w])
+        out["dedup" if dedup else "per_assignment"] = {
+            "send_splits": state.send_splits, "x_AD": x_AD.detach(), "counts": counts_El, "y": y_TD.detach(),
+            "x_grad": gx, "w_grad": gw, "rows_sent": d.stats.rows_sent, "remote_rows_sent": d.stats.remote_rows_sent,
+            "calls": d.stats.calls, "a2a": d.stats.a2a_seconds, "exposed": d.stats.exposed_seconds}
+    return out
 
 
 def mismatched_config_run() -> str:

@@ -443,6 +443,10 @@ class DispatchStats:
     a2a_seconds: float = 0.0
     exposed_seconds: float = 0.0
     calls: int = 0
+    # Rows this rank put into dispatch all-to-alls (all destinations, itself included), and the part of them
+    # addressed to other EP ranks (what crosses the wire). Per dispatch call: a recomputed forward counts again.
+    rows_sent: int = 0
+    remote_rows_sent: int = 0
 
 
 class LocalDispatcher:

@@ -26,6 +26,10 @@ class ParallelConfig:
         drop_policy: "probs" drops the lowest gate weights first, "position" the latest tokens first.
         pad_to_capacity: pad every expert's rows to its capacity (static shapes; needs capacity_factor).
         overlap: run the shared experts while the dispatch all-to-all is in flight (asynchronous collective).
+        dedup: dropless all-to-all sends a token once to each EP rank holding any of its experts (with its gate
+            weights and local expert ids), and gets back one gate-weighted sum per (token, rank), as DeepEP and
+            Megatron-Core's flex dispatcher do; False sends one row per token-expert assignment. Capacity mode
+            (capacity_factor set) always sends per assignment.
         n_chunks: split each micro-batch's tokens into this many chunks so one chunk's all-to-all overlaps another's
             expert GEMMs (1 = off).
         activation_checkpointing: recompute each block in backward.
@@ -39,6 +43,7 @@ class ParallelConfig:
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
     overlap: bool = True
+    dedup: bool = True
     n_chunks: int = 1
     activation_checkpointing: bool = False
     timeout_s: float = 300.0
@@ -56,6 +61,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.drop_policy={self.drop_policy!r}; allowed: 'probs', 'position'")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ConfigError("parallel.pad_to_capacity needs parallel.capacity_factor to be set")
+        if not isinstance(self.dedup, bool):
+            raise ConfigError(f"parallel.dedup={self.dedup!r} must be true or false")
         if not isinstance(self.n_chunks, int) or self.n_chunks < 1:
             raise ConfigError(f"parallel.n_chunks={self.n_chunks!r} must be an integer >= 1")
         if not self.timeout_s > 0:

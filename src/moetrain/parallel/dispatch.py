@@ -1,23 +1,49 @@
 """Expert-parallel token dispatcher: dropless uneven all-to-all over ``torch.distributed``.
 
-The flow for one micro-batch (or chunk) on one rank, EP ranks each holding El = E/EP experts::
+Two paths behind one :class:`AllToAllDispatcher`, both with the :class:`moetrain.model.moe.Dispatcher` interface.
+
+**Deduplicated** (the default when dropless; ``ParallelConfig.dedup``). A token whose top-k experts include several
+on the same EP rank crosses the wire once to that rank, not once per expert -- the idea of DeepSeek's DeepEP
+(``Buffer.get_dispatch_layout`` -> ``is_token_in_rank``) and of Megatron-Core's flex token dispatcher
+(``MoEFlexTokenDispatcher``, over DeepEP or HybridEP). With top-6 of 32 experts over EP = 2 and uniform routing
+a token has 6 assignments, 3 of them on the other rank on average, but reaches the other rank with one row
+(probability 0.99): ~3x fewer cross-rank rows::
+
+    dispatch:  mark the (rank, token) pairs where the token has at least one expert on that rank
+               all-to-all one count matrix per rank pair: [rows, assignments per local expert]   <- the one host sync
+               all-to-all each row's gate weights (fp32, differentiable) and local expert ids (async)
+               all-to-all the rows, one per (token, destination rank) (async)   ... shared experts run meanwhile
+               expand received rows to their local experts, grouped by local expert
+    experts:   grouped GEMM over El experts
+    combine:   gate-weight in fp32 and sum each row's local expert outputs (one row per token and rank), cast to
+               the expert output dtype, all-to-all back (async), sum each token's rows over ranks in fp32
+
+**Per assignment** (``dedup=False``, and always in capacity mode: dropping and padding are per expert)::
 
     dispatch:  permute rows by global expert id (grouped by destination rank, then local expert)
-               all-to-all the per-expert counts                      <- host sync #1 (splits must be python ints)
+               all-to-all the per-expert counts                      <- host sync (splits must be python ints)
                all-to-all the rows (async)                           ... shared experts run meanwhile
                regroup received rows from (source, local expert) to (local expert, source) order
     experts:   grouped GEMM over El experts
     combine:   undo the regroup, all-to-all back (async, splits swapped), unpermute, gate-weight in fp32, sum per token
 
+Both paths give the experts the same rows in the same order (grouped by local expert, then source rank, then
+token); the deduplicated path sums a token's gate-weighted expert outputs in two stages (per rank, then over ranks)
+instead of one, so results agree to fp32 round-off (and, under bf16 autocast, to one bf16 rounding of each per-rank
+partial sum, as with DeepEP's bf16 combine).
+
 Host-device synchronisations, and why they are unavoidable: the split sizes of the token all-to-all must be known
 on the host (one ``tolist()`` of the exchanged count matrix per dispatch); in capacity mode the number of kept rows
-is read once. Everything else stays on the device. The grouped GEMM needs no host counts when
-``torch._grouped_mm`` is available.
+is read once. Everything else stays on the device: the deduplicated path selects its rows with a stable sort whose
+first entries are the selected ones (their number comes from the same ``tolist()``) rather than ``nonzero()``, whose
+output size would be a second sync. The grouped GEMM needs no host counts when ``torch._grouped_mm`` is available.
 
-Gate weights never travel: expert outputs come back unweighted and are weighted at the source in fp32, so the
-router's gradient is computed locally.
+Gate weights: in the per-assignment path they never travel (expert outputs come back unweighted and are weighted at
+the source in fp32). In the deduplicated path they must travel, since a rank sends back one summed row per token:
+they go with the rows through the differentiable all-to-all, so the router's gradient comes back the same way.
 
-Shape legend: T tokens, D dim, K top-k, E all experts, El local experts, R = EP ranks, S rows sent, N rows received.
+Shape legend: T tokens, D dim, K top-k, E all experts, El local experts, R = EP ranks, C = El + 1 count columns,
+S rows sent, N rows received, A local assignments (rows after expansion at the destination).
 """
 
 from __future__ import annotations
@@ -31,6 +57,10 @@ from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, cap
                                 permute, unpermute)
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-assignment path
+# ----------------------------------------------------------------------------------------------------------------
 
 @dataclass
 class _A2AState:
@@ -69,8 +99,74 @@ class _CombineHandle:
         return unpermute(self.rows_S, self.state.permute_state, self.state.out_dtype)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Deduplicated path
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class _DedupState:
+    """Bookkeeping of one deduplicated dispatch, from both ends.
+
+    Source side: ``token_S`` (token of each sent row; rows grouped by destination rank, token order within one),
+    ``n_tokens`` (T), ``out_dtype``. Destination side: ``row_A`` (received row of each local assignment,
+    assignments grouped by local expert), ``weight_A`` (its fp32 gate weight, attached to the autograd graph),
+    ``n_recv`` (N). Splits as sent (``send_splits``) and received (``recv_splits``) in the dispatch.
+    """
+
+    token_S: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    n_tokens: int
+    out_dtype: torch.dtype
+    row_A: torch.Tensor | None = None
+    weight_A: torch.Tensor | None = None
+    n_recv: int = 0
+    dropped: int = 0  # dropless: nothing is dropped
+
+
+class _DedupDispatchHandle:
+    def __init__(self, rows_ND: torch.Tensor, weight_NK: torch.Tensor, local_NK: torch.Tensor,
+                 pendings: list[Pending], recv_counts_RC: torch.Tensor, n_assign: int, state: _DedupState):
+        self.rows_ND, self.weight_NK, self.local_NK, self.pendings = rows_ND, weight_NK, local_NK, pendings
+        self.recv_counts_RC, self.n_assign, self.state = recv_counts_RC, n_assign, state
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor, _DedupState]:
+        # In issue order: the small metadata transfers finished before the rows, so waiting on them first blocks
+        # for nothing and their timers do not span the rows' transfer.
+        for p in self.pendings:
+            p.wait()
+        K = self.local_NK.shape[1]
+        # Expand every received row to its local experts. A stable sort of the (row, slot) local expert ids puts the
+        # A real assignments first (slots for experts elsewhere carry id El, sorted last), grouped by local expert
+        # and, within an expert, in (source rank, token) order: the order of the per-assignment path. A is known on
+        # the host from the count exchange, so the slice costs no sync.
+        order_A = torch.argsort(self.local_NK.reshape(-1), stable=True)[:self.n_assign]
+        row_A = order_A // K
+        st = self.state
+        st.row_A, st.weight_A, st.n_recv = row_A, self.weight_NK.reshape(-1)[order_A], self.rows_ND.shape[0]
+        tokens_per_local_expert_El = self.recv_counts_RC[:, 1:].sum(dim=0)
+        return self.rows_ND[row_A], tokens_per_local_expert_El, st
+
+
+class _DedupCombineHandle:
+    def __init__(self, rows_SD: torch.Tensor, pending: Pending, state: _DedupState):
+        self.rows_SD, self.pending, self.state = rows_SD, pending, state
+
+    def wait(self) -> torch.Tensor:
+        self.pending.wait()
+        st = self.state
+        # Each token got one partial sum per rank holding any of its experts: add them in fp32.
+        out_TD = self.rows_SD.new_zeros(st.n_tokens, self.rows_SD.shape[-1], dtype=torch.float32)
+        out_TD.index_add_(0, st.token_S, self.rows_SD.float())
+        return out_TD.to(st.out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dispatcher
+# ----------------------------------------------------------------------------------------------------------------
+
 class AllToAllDispatcher:
-    """Dropless (or capacity-limited) expert-parallel dispatcher. See the module docstring for the flow.
+    """Dropless (or capacity-limited) expert-parallel dispatcher. See the module docstring for both flows.
 
     Args:
         n_experts: E (all routed experts).
@@ -79,10 +175,13 @@ class AllToAllDispatcher:
         group: the EP process group.
         capacity: dropping/padding policy (default dropless).
         overlap: if False, every all-to-all is waited for as soon as it is issued (nothing overlaps it).
+        dedup: send a token once per destination rank rather than once per expert (DeepEP / Megatron flex
+            dispatcher). Applies in dropless mode only; with a capacity factor the per-assignment path runs, since
+            dropping and padding act on single assignments. ``self.dedup`` says which path runs.
     """
 
     def __init__(self, n_experts: int, ep_size: int, ep_rank: int, group: Any,
-                 capacity: CapacityConfig | None = None, overlap: bool = True):
+                 capacity: CapacityConfig | None = None, overlap: bool = True, dedup: bool = True):
         if n_experts % ep_size:
             raise ValueError(f"EP size {ep_size} must divide the number of experts {n_experts}")
         self.n_experts, self.ep_size, self.ep_rank, self.group = n_experts, ep_size, ep_rank, group
@@ -90,10 +189,13 @@ class AllToAllDispatcher:
         self.local_expert_offset = ep_rank * self.n_local_experts
         self.capacity = capacity or CapacityConfig()
         self.overlap = overlap
+        self.dedup = dedup and self.capacity.factor is None
         self.stats = DispatchStats()
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
-                 ) -> _DispatchHandle:
+                 ) -> _DispatchHandle | _DedupDispatchHandle:
+        if self.dedup:
+            return self._dispatch_dedup(x_TD, topk_idx_TK, topk_weight_TK)
         R, El = self.ep_size, self.n_local_experts
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
@@ -105,12 +207,15 @@ class AllToAllDispatcher:
         if not self.overlap:
             pending.wait(exposed_from_issue=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
-        self.stats.calls += 1
+        self._count_rows(send_splits)
         state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
                           (~keep_TK).sum() if keep_TK is not None else 0)
         return _DispatchHandle(self, rows_N, pending, state, recv_counts_RE, capacity)
 
-    def combine(self, y_local: torch.Tensor, state: _A2AState) -> _CombineHandle:
+    def combine(self, y_local: torch.Tensor, state: _A2AState | _DedupState
+                ) -> _CombineHandle | _DedupCombineHandle:
+        if isinstance(state, _DedupState):
+            return self._combine_dedup(y_local, state)
         if state.pad_slots is not None:
             y_local = y_local[state.pad_slots]
         # Back from local-expert order to (source rank, local expert) order, then home.
@@ -121,6 +226,77 @@ class AllToAllDispatcher:
         if not self.overlap:
             pending.wait(exposed_from_issue=True)
         return _CombineHandle(rows_S, pending, state)
+
+    # -- deduplicated path ---------------------------------------------------------------------------------------
+
+    def _dispatch_dedup(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
+                        ) -> _DedupDispatchHandle:
+        """Send each token once to every rank holding at least one of its experts, with the gate weights and local
+        expert ids of the experts it has there. x_TD (T, D), topk_idx_TK (T, K) int64, topk_weight_TK (T, K) fp32."""
+        R, El, E = self.ep_size, self.n_local_experts, self.n_experts
+        T, K = topk_idx_TK.shape
+        dev = topk_idx_TK.device
+        # mask_RT[r, t]: token t has at least one expert on rank r, so it sends rank r one row.
+        mask_RT = torch.zeros(R, T, dtype=torch.bool, device=dev)
+        mask_RT.scatter_(0, (topk_idx_TK // El).t(), True)
+        # One count matrix per rank pair, (R, C): column 0 the rows, columns 1.. the assignments per local expert.
+        # Rows size the all-to-alls, assignments size the expansion at the destination and feed the grouped GEMM;
+        # carrying both in one exchange keeps a single host sync per dispatch.
+        # (scatter_add rather than bincount: CUDA's bincount reads the input's max on the host, a sync.)
+        assign_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(
+            0, topk_idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
+        counts_RC = torch.cat([mask_RT.sum(dim=1, keepdim=True), assign_E.view(R, El)], dim=1)
+        recv_counts_RC = all_to_all_counts(counts_RC, self.group, "dispatch (counts)", self.stats)
+        send_splits, recv_splits, recv_assign = torch.stack(
+            [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
+        S = sum(send_splits)
+        # Rows in (destination rank, token) order without nonzero(): a stable sort of the negated mask puts the S
+        # selected pairs first, in their original rank-major order; S is already on the host.
+        pair_S = torch.argsort((~mask_RT).reshape(-1).to(torch.uint8), stable=True)[:S]
+        dest_S = pair_S // T
+        token_S = pair_S - dest_S * T
+        # Per row and top-k slot: the expert's id on the destination rank, or El where it lives on another rank
+        # (El sorts last in the expansion); the gate weight, or 0 there (never read: the expansion drops the slot).
+        local_SK = topk_idx_TK[token_S] - (dest_S * El).unsqueeze(1)
+        on_dest_SK = (local_SK >= 0) & (local_SK < El)
+        local_SK = torch.where(on_dest_SK, local_SK, El).to(torch.int32)
+        weight_SK = torch.where(on_dest_SK, topk_weight_TK[token_S].float(), 0.0)
+        x_SD = x_TD[token_S]
+        group, stats = self.group, self.stats
+        # Metadata first (tiny): it completes before the rows, so overlapping it costs nothing and its timers do not
+        # include the rows' transfer. The weights go through the differentiable all-to-all: the router's gradient
+        # comes back through its backward.
+        weight_NK, pend_w = all_to_all(weight_SK, recv_splits, send_splits, group, "dispatch (gate weights)", stats)
+        if not self.overlap:
+            pend_w.wait(exposed_from_issue=True)
+        local_NK, pend_l = all_to_all(local_SK, recv_splits, send_splits, group, "dispatch (expert ids)", stats)
+        if not self.overlap:
+            pend_l.wait(exposed_from_issue=True)
+        rows_ND, pend_x = all_to_all(x_SD, recv_splits, send_splits, group, "dispatch", stats)
+        if not self.overlap:
+            pend_x.wait(exposed_from_issue=True)
+        self._count_rows(send_splits)
+        state = _DedupState(token_S, send_splits, recv_splits, T, x_TD.dtype)
+        return _DedupDispatchHandle(rows_ND, weight_NK, local_NK, [pend_w, pend_l, pend_x], recv_counts_RC,
+                                    sum(recv_assign), state)
+
+    def _combine_dedup(self, y_AD: torch.Tensor, state: _DedupState) -> _DedupCombineHandle:
+        """Gate-weight every local assignment's output and sum them per received row, so each (token, rank) pair
+        sends one row back. y_AD (A, D): expert outputs in the order ``wait()`` gave the inputs."""
+        assert state.row_A is not None and state.weight_A is not None, "combine before the dispatch was waited for"
+        # fp32 accumulation as in the per-assignment path; one cast to the expert output dtype for the wire.
+        y32_AD = y_AD.float() * state.weight_A.unsqueeze(-1)
+        rows_ND = y32_AD.new_zeros(state.n_recv, y_AD.shape[-1]).index_add_(0, state.row_A, y32_AD).to(y_AD.dtype)
+        rows_SD, pending = all_to_all(rows_ND, state.send_splits, state.recv_splits, self.group, "combine",
+                                      self.stats)
+        if not self.overlap:
+            pending.wait(exposed_from_issue=True)
+        return _DedupCombineHandle(rows_SD, pending, state)
+
+    def _count_rows(self, send_splits: list[int]) -> None:
+        self.stats.calls += 1
+        self.stats.rows_sent += sum(send_splits)
+        self.stats.remote_rows_sent += sum(send_splits) - send_splits[self.ep_rank]
 
 
 def _regroup_index(recv_counts_RE: torch.Tensor, n_rows: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """``parallelize(model, ctx)``: distribute a single-device model from outside, in one fixed order.
 
 1. Expert parallelism: every GroupedExperts keeps only its EP rank's slice of El = E/EP experts, and every MoE layer
-   gets the configured dispatcher (local permutation, or the all-to-all one) with capacity and overlap settings.
+   gets the configured dispatcher (local permutation, or the all-to-all one) with capacity, overlap and token
+   deduplication settings.
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
 3. Activation checkpointing of every block (main and MTP), if asked.
 4. FSDP2 ``fully_shard``: expert weights over the DP group (ranks holding the same experts), then every block and the
@@ -46,7 +47,8 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
         if kind == "alltoall":
             if not ctx.distributed:
                 raise ValueError("dispatcher 'alltoall' needs a process group; launch with torchrun")
-            moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap)
+            moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
+                                                pcfg.dedup)
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
         _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
