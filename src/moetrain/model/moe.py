@@ -207,7 +207,10 @@ def grouped_mm(x_SK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert_E: tor
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync: the loop needs python ints
     n_used = sum(counts)
-    outs = [xe @ w_ENK[e].to(x_SK.dtype).t() for e, xe in enumerate(torch.split(x_SK[:n_used], counts, dim=0))]
+    # unbind, not w_ENK[e]: one backward node that stacks the E gradients, instead of E nodes that each write a
+    # full-size zero gradient (O(E^2) memory traffic; 10x slower at E = 32).
+    w_list = w_ENK.to(x_SK.dtype).unbind(0)
+    outs = [xe @ w_list[e].t() for e, xe in enumerate(torch.split(x_SK[:n_used], counts, dim=0))]
     rest = n_rows - n_used
     if rest:
         outs.append(x_SK.new_zeros(rest, w_ENK.shape[-2]))
