@@ -148,7 +148,7 @@ class _GroupedMM(torch.autograd.Function):
     gradient (an expanded one from ``sum()`` is not), and computing grad_w[e] = grad_y_e^T @ x_e directly in (E, N, K)
     hands autograd a contiguous gradient in the parameter's own layout. The x^T @ grad_y form gives (E, K, N), whose
     transpose AccumulateGrad copies into a new contiguous tensor: three strided copies of every expert weight per
-    step, measured at 17% of the experts' forward+backward time on CPU (BENCHMARKS.md, "wgrad layout").
+    step, measured at 17% of the experts' forward+backward time on CPU (BENCHMARKS.md, "What changed").
     """
 
     @staticmethod
@@ -256,8 +256,9 @@ class GroupedExperts(nn.Module):
     Kernels: ``torch._grouped_mm`` (CUDA sm90+, CPU). On CPU, when the groups are within ``PADDED_BMM_MAX_PAD``
     of equal size, the rows are placed once in equal (E, C) slots and the SwiGLU runs as batched GEMMs
     (``torch.bmm``): the CPU ``_grouped_mm`` kernel is a loop of separately threaded small GEMMs, and one batched
-    call per GEMM measured 8% faster at the benchmark's expert shapes. With ``use_grouped_mm = False``, an exact
-    per-expert loop (the reference the tests compare with).
+    call per GEMM measured 8% faster at the benchmark's expert shapes despite 13.5% padding rows (break-even near
+    25%, hence the threshold). With ``use_grouped_mm = False``, an exact per-expert loop (the reference the tests
+    compare with).
 
     forward(x_SD, tokens_per_expert_E) -> (S, D). Rows past sum(tokens_per_expert) (capacity padding) give zeros.
     """
