@@ -9,9 +9,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Benchmark peers (only `make bench` installs them): TorchTitan into the venv (it does not depend on torch, so the
-# pinned torch stays); triton, which TorchTitan's MoE module imports unconditionally but moetrain never needs, into a
-# separate directory that only the TorchTitan benchmark processes put on sys.path, so the environment the tests
-# run in stays exactly what `make setup` installs.
+# pinned torch stays; nothing in src or tests imports it); triton, which TorchTitan's MoE module imports
+# unconditionally but moetrain never needs, into a separate directory that only the TorchTitan benchmark processes
+# put on sys.path, so no moetrain or test process ever imports a triton.
 PEERS_STAMP := .cache/bench-peers/.installed
 ARGS ?=
 PYTEST_ARGS ?=

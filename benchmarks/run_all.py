@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """moetrain benchmark suite: one command, every figure as a ratio against its peers or its practical limit.
 
-    .venv/bin/python benchmarks/run_all.py                 # CPU, `small` preset, all cases (~5 min on 2 cores)
+    .venv/bin/python benchmarks/run_all.py                 # CPU, `small` preset, all cases (~11 min on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick         # `tiny` preset, short runs (a smoke run)
     .venv/bin/python benchmarks/run_all.py --cases moe_layer,grouped_gemm
     .venv/bin/python benchmarks/run_all.py --gpu --out /path/results   # CUDA: bf16 autocast, NCCL, gpu-1x preset

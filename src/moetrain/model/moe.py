@@ -152,19 +152,26 @@ class _GroupedMM(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x_SK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x_SK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor,
+                may_pad: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x_SK, w_ENK, offs_E)
+        ctx.may_pad = may_pad
         return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offs_E)
 
     @staticmethod
     def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
         x_SK, w_ENK, offs_E = ctx.saved_tensors
         grad_SN = grad_SN.contiguous()
-        grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E) if ctx.needs_input_grad[0] else None
-        # Rows past offs[-1] (padding) and experts with no rows contribute nothing; the kernel leaves empty groups'
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E)
+            if ctx.may_pad:  # the kernel leaves rows past offs[-1] unwritten, as in the forward: zero them
+                rows = torch.arange(grad_x.shape[0], device=grad_x.device)
+                grad_x = torch.where((rows < offs_E[-1]).unsqueeze(-1), grad_x, 0)
+        # Rows past offs[-1] and experts with no rows contribute nothing to grad_w; the kernel leaves empty groups'
         # gradient at zero.
         grad_w = torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class _BatchedMM(torch.autograd.Function):
@@ -199,8 +206,9 @@ def grouped_mm(x_SK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert_E: tor
     n_rows = x_SK.shape[0]
     if use_grouped_mm and _grouped_mm_supported(x_SK, x_SK.shape[-1], w_ENK.shape[-2]):
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-        y = _GroupedMM.apply(x_SK, w_ENK.to(x_SK.dtype), offs_E)
-        if counts is not None and sum(counts) == n_rows:
+        may_pad = counts is None or sum(counts) != n_rows  # known on the host only when the counts are
+        y = _GroupedMM.apply(x_SK, w_ENK.to(x_SK.dtype), offs_E, may_pad)
+        if not may_pad:
             return y  # no padding rows: nothing for the kernel to leave unwritten
         # The kernel leaves rows past the last offset (capacity padding) unwritten: zero them.
         return torch.where((torch.arange(n_rows, device=y.device) < offs_E[-1]).unsqueeze(-1), y, 0)
@@ -249,7 +257,7 @@ class GroupedExperts(nn.Module):
     rows [0, F) gate and [F, 2F) up, as Megatron-Core's grouped ``fc1`` and transformers-v5's ``gate_up_proj`` -- and
     ``w2_EDF`` (down), in ``nn.Linear``'s (out, in) layout per expert. ``w1_EFD`` / ``w3_EFD`` are views into
     ``w13_E2FD`` (writes through them land in the parameter). One GEMM of width 2F instead of two of width F halves
-    the per-expert calls of the gate/up projection, forward and backward: about 10% of a CPU training step of the
+    the per-expert calls of the gate/up projection, forward and backward: 10-20% of a CPU training step of the
     ``small`` preset, where skewed early routing leaves many small per-expert GEMMs (BENCHMARKS.md).
     Under expert parallelism ``parallelize`` keeps only this rank's slice of El = E/EP experts.
 

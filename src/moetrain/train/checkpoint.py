@@ -11,8 +11,9 @@ newest *complete* checkpoint untouched, and "latest" is simply the highest-numbe
 
 Resharding: non-expert weights and their optimizer states are FSDP2 DTensors, which DCP reshards to any world size.
 Expert weights live in per-rank slices (E/EP experts each), so they are saved one tensor per expert
-(``...experts.w1_EFD.<e>``); a run with another EP size loads exactly the experts it holds. Hence resuming with a
-different EP (or DP) size works.
+(``...experts.w13_E2FD.<e>``, ``...experts.w2_EDF.<e>``); a run with another EP size loads exactly the experts it
+holds. Hence resuming with a different EP (or DP) size works. Checkpoints written before the gate and up
+projections were stacked (separate ``w1_EFD.<e>`` / ``w3_EFD.<e>`` keys) load into the stacked parameter.
 """
 
 from __future__ import annotations
@@ -179,7 +180,11 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
         raise CheckpointError(f"{path} is incomplete (no COMPLETE marker); refusing to load it")
     _init_optimizer_state(model, optimizer)
     flat, osd = _flat_state(model, optimizer)
-    dcp.load(flat, checkpoint_id=str(path))
+    to_load, source_key = _with_legacy_expert_keys(flat, path)
+    dcp.load(to_load, checkpoint_id=str(path))
+    for key, t in flat.items():  # DCP loads tensors in place but replaces non-tensor values in the dict it is given
+        if not isinstance(t, torch.Tensor):
+            flat[key] = to_load[source_key.get(key, key)]
     info = _expert_info(model)
     with torch.no_grad():
         msd = model.state_dict()
@@ -209,6 +214,27 @@ def _copy_into(dst: torch.Tensor, full_local: torch.Tensor) -> None:
         dst.to_local().copy_(src.to_local())
     else:
         dst.copy_(full_local)
+
+
+def _with_legacy_expert_keys(flat: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """What to ask DCP for: ``flat``, except that every stacked-expert entry the checkpoint lacks is mapped to the two
+    entries an older moetrain wrote for it -- ``...w13_E2FD.<e>`` (2F, D) <- ``...w1_EFD.<e>`` (F, D) into rows
+    [0, F) and ``...w3_EFD.<e>`` into rows [F, 2F), as views, so DCP loads straight into the stacked tensors; the
+    optimizer's step count of w13 comes from w1's (both were stepped together). Also returns, for each remapped
+    scalar, the key it is loaded under."""
+    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    out: dict[str, Any] = {}
+    source_key: dict[str, str] = {}
+    for key, t in flat.items():
+        k1, k3 = key.replace(".w13_E2FD.", ".w1_EFD."), key.replace(".w13_E2FD.", ".w3_EFD.")
+        if key in stored or k1 == key or k1 not in stored:
+            out[key] = t
+        elif not isinstance(t, torch.Tensor) or t.dim() == 0:
+            out[k1], source_key[key] = t, k1
+        else:
+            half = t.shape[0] // 2
+            out[k1], out[k3] = t[:half], t[half:]
+    return out, source_key
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

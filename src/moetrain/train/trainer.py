@@ -187,18 +187,20 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
             for m in moe_layers:
                 m.dispatcher.stats.a2a_seconds = m.dispatcher.stats.exposed_seconds = 0.0
             window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
+        # Evaluation and checkpointing are not training throughput: shift the window's start by their duration (a
+        # reset would divide the steps already in the window by a shorter time and inflate tokens/s and MFU).
+        t_pause = time.perf_counter()
         if tc.eval_every and (done % tc.eval_every == 0 or done == tc.steps):
             v = evaluate(model, prep, job, ctx, amp)
             history["val"].append((done, v))
             if sink:
                 sink.write({"kind": "val", "step": done, "val_loss": v})
                 sink.print(f"step {done:>5} | val loss {v:.4f}")
-            window_t = time.perf_counter()  # evaluation time is not training throughput
         if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
             last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
                                         {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
                                          "job": job.to_dict()}, ctx, tc.keep_ckpts)
-            window_t = time.perf_counter()
+        window_t += time.perf_counter() - t_pause
     summary = {"steps": tc.steps, "start_step": start_step, "val": history["val"], "train": history["train"],
                "world": ctx.world_size, "ep": ctx.pcfg.ep, "out_dir": tc.out_dir,
                "checkpoint": str(last_ckpt) if last_ckpt else None}

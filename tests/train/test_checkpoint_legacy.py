@@ -1,0 +1,62 @@
+"""A checkpoint written before the gate and up projections were stacked (``w13_E2FD``) -- per-expert
+``...experts.w1_EFD.<e>`` and ``...experts.w3_EFD.<e>`` keys, for weights and AdamW moments -- resumes into today's
+model: weights, moments and step counts equal what was saved."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moetrain.model import build_model, get_preset
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.mesh import init_parallel
+from moetrain.train.checkpoint import _flat_state, load_checkpoint
+from moetrain.train.optim import build_optimizer
+from moetrain.train.step import train_step
+
+
+def _legacy(flat: dict) -> dict:
+    """The flat state as the previous layout saved it: each stacked entry split into its w1 and w3 halves."""
+    out = {}
+    for key, t in flat.items():
+        if ".w13_E2FD." not in key:
+            out[key] = t
+            continue
+        k1, k3 = key.replace(".w13_E2FD.", ".w1_EFD."), key.replace(".w13_E2FD.", ".w3_EFD.")
+        if t.dim() == 0:
+            out[k1], out[k3] = t.clone(), t.clone()
+        else:
+            half = t.shape[0] // 2
+            out[k1], out[k3] = t[:half].clone(), t[half:].clone()
+    return out
+
+
+def test_legacy_expert_keys_load_into_stacked_parameter(tmp_path):
+    cfg = get_preset("tiny")
+    ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
+    src = build_model(cfg, seed=0)
+    opt = build_optimizer(src, lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
+    train_step(src, opt, [(tokens[:, :-1], tokens[:, 1:])], cfg, ctx)
+    flat, _ = _flat_state(src, opt)
+    legacy = _legacy(flat)
+    assert any(".w1_EFD." in k for k in legacy) and not any(".w13_E2FD." in k for k in legacy)
+    ckpt = tmp_path / "step_00000001"
+    dcp.save(legacy, checkpoint_id=str(ckpt))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "rng": torch.get_rng_state().tolist()}))
+    (ckpt / "COMPLETE").write_text("1\n")
+
+    dst = build_model(cfg, seed=1)
+    dst_opt = build_optimizer(dst, lr=1e-3)
+    assert load_checkpoint(ckpt, dst, dst_opt, ctx)["step"] == 1
+    for (name, a), b in zip(src.named_parameters(), dst.parameters()):
+        assert torch.equal(a, b), name
+    src_state = {n: opt.state[p] for n, p in src.named_parameters()}
+    for name, p in dst.named_parameters():
+        for key, val in src_state[name].items():
+            assert torch.equal(torch.as_tensor(val), torch.as_tensor(dst_opt.state[p][key])), (name, key)
+    experts = dst.moe_layers()[0].experts
+    assert torch.equal(experts.w3_EFD, src.moe_layers()[0].experts.w3_EFD)  # up rows landed in [F, 2F)
