@@ -49,6 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from moetrain.fsutil import fsync_path
 from moetrain.model.config import ConfigError, ModelConfig
 from moetrain.model.moe import MoE
 
@@ -650,7 +651,7 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, max_shard_byte
         for fname, shard in zip(names, shards):
             tensors = {e.hf_name: _materialise(e.view(), t_dtype) for e, t_dtype in shard}
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-            _fsync(tmp / fname)
+            fsync_path(tmp / fname)
             weight_map.update({k: fname for k in tensors})
             del tensors
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -684,13 +685,6 @@ def _write_json(p: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
 
-
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def iter_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -203,9 +203,7 @@ class AllToAllDispatcher:
         recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats)
         splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
-        rows_N, pending = all_to_all(x_SD, recv_splits, send_splits, self.group, "dispatch", self.stats)
-        if not self.overlap:
-            pending.wait(exposed_from_issue=True)
+        rows_N, pending = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch")
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
         self._count_rows(send_splits)
         state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
@@ -222,9 +220,7 @@ class AllToAllDispatcher:
         inverse_N = torch.empty_like(state.regroup_N)
         inverse_N[state.regroup_N] = torch.arange(state.regroup_N.numel(), device=state.regroup_N.device)
         rows_N = y_local[inverse_N]
-        rows_S, pending = all_to_all(rows_N, state.send_splits, state.recv_splits, self.group, "combine", self.stats)
-        if not self.overlap:
-            pending.wait(exposed_from_issue=True)
+        rows_S, pending = self._all_to_all(rows_N, state.send_splits, state.recv_splits, "combine")
         return _CombineHandle(rows_S, pending, state)
 
     # -- deduplicated path ---------------------------------------------------------------------------------------
@@ -262,19 +258,12 @@ class AllToAllDispatcher:
         local_SK = torch.where(on_dest_SK, local_SK, El).to(torch.int32)
         weight_SK = torch.where(on_dest_SK, topk_weight_TK[token_S].float(), 0.0)
         x_SD = x_TD[token_S]
-        group, stats = self.group, self.stats
         # Metadata first (tiny): it completes before the rows, so overlapping it costs nothing and its timers do not
         # include the rows' transfer. The weights go through the differentiable all-to-all: the router's gradient
         # comes back through its backward.
-        weight_NK, pend_w = all_to_all(weight_SK, recv_splits, send_splits, group, "dispatch (gate weights)", stats)
-        if not self.overlap:
-            pend_w.wait(exposed_from_issue=True)
-        local_NK, pend_l = all_to_all(local_SK, recv_splits, send_splits, group, "dispatch (expert ids)", stats)
-        if not self.overlap:
-            pend_l.wait(exposed_from_issue=True)
-        rows_ND, pend_x = all_to_all(x_SD, recv_splits, send_splits, group, "dispatch", stats)
-        if not self.overlap:
-            pend_x.wait(exposed_from_issue=True)
+        weight_NK, pend_w = self._all_to_all(weight_SK, recv_splits, send_splits, "dispatch (gate weights)")
+        local_NK, pend_l = self._all_to_all(local_SK, recv_splits, send_splits, "dispatch (expert ids)")
+        rows_ND, pend_x = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch")
         self._count_rows(send_splits)
         state = _DedupState(token_S, send_splits, recv_splits, T, x_TD.dtype)
         return _DedupDispatchHandle(rows_ND, weight_NK, local_NK, [pend_w, pend_l, pend_x], recv_counts_RC,
@@ -287,11 +276,16 @@ class AllToAllDispatcher:
         # fp32 accumulation as in the per-assignment path; one cast to the expert output dtype for the wire.
         y32_AD = y_AD.float() * state.weight_A.unsqueeze(-1)
         rows_ND = y32_AD.new_zeros(state.n_recv, y_AD.shape[-1]).index_add_(0, state.row_A, y32_AD).to(y_AD.dtype)
-        rows_SD, pending = all_to_all(rows_ND, state.send_splits, state.recv_splits, self.group, "combine",
-                                      self.stats)
+        rows_SD, pending = self._all_to_all(rows_ND, state.send_splits, state.recv_splits, "combine")
+        return _DedupCombineHandle(rows_SD, pending, state)
+
+    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], phase: str
+                    ) -> tuple[torch.Tensor, Pending]:
+        """Start one named all-to-all on the EP group; with overlap off, wait for it at once (all of it exposed)."""
+        out, pending = all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
         if not self.overlap:
             pending.wait(exposed_from_issue=True)
-        return _DedupCombineHandle(rows_SD, pending, state)
+        return out, pending
 
     def _count_rows(self, send_splits: list[int]) -> None:
         self.stats.calls += 1

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import is_expert_param
@@ -125,13 +126,13 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
         state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist())
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         for f in tmp.iterdir():  # data on disk before the marker that declares it complete
-            _fsync(f)
+            fsync_path(f)
         (tmp / "COMPLETE").write_text(f"{step}\n")
-        _fsync(tmp / "COMPLETE")
+        fsync_path(tmp / "COMPLETE")
         if final.exists():  # same step saved again: move the old one aside, never delete before replacing
             os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         done = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()),
                       key=lambda p: p.name)
         for old in done[:-keep]:
@@ -151,13 +152,6 @@ def check_checkpoint_files(path: str | Path) -> None:
         raise CheckpointError(f"checkpoint {path} is damaged (DCP metadata or shards missing); delete that directory "
                               f"to resume from the previous one")
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
