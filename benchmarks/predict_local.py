@@ -64,7 +64,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     if load0 > 0.5 * cores:
         print(f"WARNING: load average {load0:.1f} on {cores} cores -- other processes will slow the measured run "
-              "(the bench takes the fastest samples, so the prediction is for an idle machine)")
+              "(the bench was taken with only its own processes running, so the prediction is for an idle machine)")
     from moetrain.config import load_job_config
     from moetrain.plan.bench import run_bench, summary
     from moetrain.plan.local import predict_local_train

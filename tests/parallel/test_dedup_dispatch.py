@@ -10,8 +10,8 @@ from moetrain.parallel.config import ParallelConfig
 
 from .harness import run_ranks, run_single
 from .test_expert_parallel import ADAM_EPS, _ok
-from .workers import (DEDUP_E, DEDUP_K, dedup_expert_reference, dedup_inputs, dedup_rows_run, moe_layer_run,
-                      train_run)
+from .workers import (DEDUP_E, DEDUP_K, a2a_calls_run, dedup_expert_reference, dedup_inputs, dedup_rows_run,
+                      moe_layer_run, train_run)
 
 pytestmark = pytest.mark.dist
 
@@ -96,3 +96,13 @@ def test_dedup_flag_validated_and_capacity_mode_keeps_per_assignment_path():
     assert AllToAllDispatcher(16, 2, 0, None).dedup
     assert not AllToAllDispatcher(16, 2, 0, None, dedup=False).dedup
     assert not AllToAllDispatcher(16, 2, 0, None, CapacityConfig(factor=1.0)).dedup
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_all_to_all_calls_per_layer_match_the_declared_counts(dedup):
+    """The performance model charges AllToAllDispatcher.CALLS_* call latencies per MoE layer: keep them true."""
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+
+    want = AllToAllDispatcher.CALLS_DEDUP if dedup else AllToAllDispatcher.CALLS_PER_ASSIGNMENT
+    for fwd_bwd in _ok(run_ranks(2, a2a_calls_run, {"ep": 2, "dedup": dedup})):
+        assert tuple(fwd_bwd) == want

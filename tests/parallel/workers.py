@@ -64,6 +64,21 @@ def _force_routing_to_first_experts(model, cfg) -> None:
             moe.gate.expert_bias[: cfg.top_k] = 100.0
 
 
+class _OneMoE(torch.nn.Module):
+    """One MoE layer as a model: parallelize() expects moe_layers(), layers and mtp."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.layers, self.mtp = torch.nn.ModuleList(), torch.nn.ModuleList()
+
+    def moe_layers(self):
+        return [self.layer]
+
+    def forward(self, x):
+        return self.layer(x)
+
+
 def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: float = 0.0, data_world: int = 2
                   ) -> dict:
     """One MoE layer forward+backward on inputs laid out for ``data_world`` ranks (a single process takes them all);
@@ -81,19 +96,7 @@ def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: fl
         torch.nn.init.normal_(p, 0, 0.1)
     layer.gate.expert_bias.normal_(0, routing_bias) if routing_bias else None
 
-    class Wrap(torch.nn.Module):  # parallelize() expects a model with moe_layers(), layers and mtp
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-            self.layers, self.mtp = torch.nn.ModuleList(), torch.nn.ModuleList()
-
-        def moe_layers(self):
-            return [self.layer]
-
-        def forward(self, x):
-            return self.layer(x)
-
-    model = parallelize(Wrap(), ctx)
+    model = parallelize(_OneMoE(layer), ctx)
     g = torch.Generator().manual_seed(7)
     x_all = torch.randn(data_world * 2, tokens_per_rank // 2, cfg.dim, generator=g)
     w_all = torch.randn(data_world * 2, tokens_per_rank // 2, cfg.dim, generator=g)
@@ -116,6 +119,37 @@ def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: fl
     st = layer.dispatcher.stats
     return {"y": y.detach(), "x_grad": x.grad.detach(), "grads": grads, "counts": stats.tokens_per_expert_E,
             "dropped": int(stats.dropped), "rows_sent": st.rows_sent, "remote_rows_sent": st.remote_rows_sent}
+
+
+def a2a_calls_run(pcfg_kwargs: dict) -> tuple[int, int]:
+    """(forward, backward) ``all_to_all_single`` calls of one MoE layer under ``pcfg_kwargs``, counted by wrapping
+    torch.distributed.all_to_all_single (the only all-to-all moetrain's dispatcher uses)."""
+    import torch.distributed as dist
+
+    from moetrain.model.moe import MoE
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(**pcfg_kwargs), cfg.n_routed_experts)
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+
+    model = parallelize(_OneMoE(layer), ctx)
+    calls = [0]
+    real = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        x = torch.randn(2, 6, cfg.dim, requires_grad=True)
+        y, _ = model(x)
+        fwd = calls[0]
+        y.sum().backward()
+        return fwd, calls[0] - fwd
+    finally:
+        dist.all_to_all_single = real
 
 
 DEDUP_E, DEDUP_K, DEDUP_T, DEDUP_D = 8, 3, 12, 5

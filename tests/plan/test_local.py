@@ -7,10 +7,12 @@ import pytest
 from moetrain.model.config import get_preset
 from moetrain.plan.local import local_plan, predict_local_train
 
-BENCH = {"matmul": {"fp32": [{"n": 64, "tflops": 0.02}, {"n": 256, "tflops": 0.08}, {"n": 1024, "tflops": 0.1}],
+BENCH = {"bench_version": 2,
+         "matmul": {"fp32": [{"n": 64, "tflops": 0.02}, {"n": 256, "tflops": 0.08}, {"n": 1024, "tflops": 0.1}],
                     "bf16": []},
-         "memory_bandwidth_gbps": 20.0, "op_overhead_us": 4.0,
-         "all_to_all": {"bandwidth_gbps": 1.0, "latency_us": 200.0}, "memory_gb": 16}
+         "memory_bandwidth_gbps": 20.0, "op_overhead_us": 4.0, "cross_entropy_gelem_s": 0.7,
+         "all_to_all": {"bandwidth_gbps": 1.0, "latency_us": 200.0},
+         "fsdp_unit": {"bandwidth_gbps": 0.2, "latency_us": 4000.0}, "memory_gb": 16}
 
 
 def test_local_plan_matches_the_trainer_layout():
@@ -27,6 +29,58 @@ def test_predict_local_train_is_positive_and_scales_with_work():
     assert a.prediction.step.exposed_a2a > 0  # EP=2 over gloo
 
 
+def _step(bench: dict, seq: int = 64, mb: int = 8, **kw) -> float:
+    """Predicted step of tiny under forced-balanced routing (learned routing scales the whole step by the solved
+    real-routing slowdown, which would blur the per-event sums these tests check)."""
+    from dataclasses import replace
+
+    cfg = replace(get_preset("tiny"), routing="balanced")
+    return predict_local_train(cfg, seq, mb, 1, world=2, ep=2, bench_json=bench, **kw).step_s
+
+
+def test_each_fsdp_unit_pays_the_measured_unit_latency_once_per_micro_batch():
+    # tiny: blocks d, t, t, t, the MTP block and the root (embedding + head) are the FSDP units of moetrain train
+    cfg = get_preset("tiny")
+    units = cfg.n_layers + cfg.mtp_depth + 1
+    d_lat = 1000.0
+    slow = {**BENCH, "fsdp_unit": {**BENCH["fsdp_unit"], "latency_us": BENCH["fsdp_unit"]["latency_us"] + d_lat}}
+    assert _step(slow) - _step(BENCH) == pytest.approx(units * d_lat * 1e-6, rel=1e-6)
+
+
+def test_every_dispatcher_call_pays_the_measured_all_to_all_latency():
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+
+    cfg = get_preset("tiny")
+    moe_layers = cfg.n_layers - cfg.n_dense_layers + cfg.mtp_depth
+    calls = sum(AllToAllDispatcher.CALLS_DEDUP)
+    d_lat = 500.0
+    slow = {**BENCH, "all_to_all": {**BENCH["all_to_all"], "latency_us": BENCH["all_to_all"]["latency_us"] + d_lat}}
+    assert _step(slow) - _step(BENCH) == pytest.approx(moe_layers * calls * d_lat * 1e-6, rel=1e-6)
+
+
+def test_a_slower_cross_entropy_rate_slows_the_step():
+    assert _step({**BENCH, "cross_entropy_gelem_s": 0.1}) > _step(BENCH)
+
+
+def test_old_bench_files_are_refused_with_the_fix():
+    from moetrain.plan.hardware import HardwareError, gpu_from_bench
+
+    old = {k: v for k, v in BENCH.items() if k not in ("bench_version", "fsdp_unit", "cross_entropy_gelem_s")}
+    with pytest.raises(HardwareError, match="rerun `moetrain bench`"):
+        gpu_from_bench(old)
+
+
+def test_latency_bandwidth_fit_recovers_a_line():
+    from moetrain.plan.bench import fit_latency_bandwidth
+
+    xs = [1e3, 1e5, 1e6, 4e6]
+    lat, bw = fit_latency_bandwidth(xs, [2e-4 + x / 1.5e9 for x in xs])
+    assert lat == pytest.approx(2e-4, rel=1e-6) and bw == pytest.approx(1.5e9, rel=1e-6)
+    # noise that makes the slope non-positive falls back to the largest point's average rate
+    lat, bw = fit_latency_bandwidth([1e3, 1e6], [3e-3, 2e-3])
+    assert lat == 2e-3 and bw == pytest.approx(1e6 / 2e-3)
+
+
 @pytest.mark.dist
 def test_quick_bench(tmp_path):
     from moetrain.plan.bench import run_bench
@@ -34,6 +88,8 @@ def test_quick_bench(tmp_path):
 
     res = run_bench(tmp_path / "b.json", procs=2, quick=True, verbose=False)
     assert res["matmul"]["fp32"][0]["tflops"] > 0
-    assert res["all_to_all"]["bandwidth_gbps"] > 0 and res["all_to_all"]["latency_us"] > 0
+    for key in ("all_to_all", "all_to_all_idle", "all_gather", "reduce_scatter", "fsdp_unit"):
+        assert res[key]["bandwidth_gbps"] > 0 and res[key]["latency_us"] >= 0
+    assert res["cross_entropy_gelem_s"] > 0 and res["bench_version"] == 2
     g = gpu_from_bench(tmp_path / "b.json")
-    assert g.peak_tflops["fp32"] > 0
+    assert g.peak_tflops["fp32"] > 0 and g.fsdp_unit_latency_us is not None and g.softmax_gelem_s > 0

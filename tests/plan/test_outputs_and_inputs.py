@@ -117,10 +117,15 @@ def test_user_gpu_file(tmp_path):
 
 
 def test_gpu_from_bench_dict():
-    bench = {"matmul": {"fp32": [{"n": 256, "tflops": 0.05}, {"n": 1024, "tflops": 0.1}], "bf16": []},
-             "memory_bandwidth_gbps": 20.0, "op_overhead_us": 5.0,
-             "all_to_all": {"bandwidth_gbps": 1.0, "latency_us": 100.0}, "memory_gb": 16}
+    bench = {"bench_version": 2, "matmul": {"fp32": [{"n": 256, "tflops": 0.05}, {"n": 1024, "tflops": 0.1}],
+                                            "bf16": []},
+             "memory_bandwidth_gbps": 20.0, "op_overhead_us": 5.0, "cross_entropy_gelem_s": 0.5,
+             "all_to_all": {"bandwidth_gbps": 1.0, "latency_us": 100.0},
+             "fsdp_unit": {"bandwidth_gbps": 0.3, "latency_us": 3000.0}, "memory_gb": 16}
     g = gpu_from_bench(bench, name="local-test")
     assert g.generation == "cpu" and g.peak_tflops["fp32"] == 0.1 and g.matmul_curve[0] == (256, 0.05)
+    assert (g.a2a_latency_us, g.fsdp_unit_latency_us, g.fsdp_unit_gbps, g.softmax_gelem_s) == (100.0, 3000.0, 0.3, 0.5)
+    with pytest.raises(HardwareError, match="malformed"):
+        gpu_from_bench({k: v for k, v in bench.items() if k != "fsdp_unit"})
     with pytest.raises(HardwareError, match="moetrain bench"):
         gpu_from_bench("/nonexistent/bench.json")

@@ -180,6 +180,14 @@ class AllToAllDispatcher:
             dropping and padding act on single assignments. ``self.dedup`` says which path runs.
     """
 
+    #: ``all_to_all_single`` calls of one MoE layer, (forward, backward), on the token-dedup path: forward = the
+    #: tokens-per-expert counts, gate weights, local expert ids, token rows, combine; backward = the gradients of
+    #: the token rows, gate weights and combine (expert ids carry none). Counted on a real run in
+    #: tests/parallel/test_dedup_dispatch.py; the performance model charges one call latency each for local runs.
+    CALLS_DEDUP = (5, 3)
+    #: The same for the per-assignment path: counts, token rows, combine | token rows, combine.
+    CALLS_PER_ASSIGNMENT = (3, 2)
+
     def __init__(self, n_experts: int, ep_size: int, ep_rank: int, group: Any,
                  capacity: CapacityConfig | None = None, overlap: bool = True, dedup: bool = True):
         if n_experts % ep_size:

@@ -49,6 +49,11 @@ class GPUSpec:
         sfu_texp: exponentials per second (1e12) for the attention softmax.
         a2a_latency_us: measured per-call all-to-all latency (local bench entries only; None = generation default).
         op_overhead_us: measured per-operator launch/dispatch overhead (local bench entries only).
+        fsdp_unit_latency_us, fsdp_unit_gbps: measured cost one FSDP2 unit adds to a forward + backward
+            (all-gathers, reduce-scatter, hooks, copies): ``latency + unit parameter bytes / rate`` (local bench
+            entries only; None = modelled from the link bandwidth).
+        softmax_gelem_s: measured log-softmax cross-entropy forward + backward rate, 1e9 logits per second (local
+            bench entries only; None = the loss is memory-bound, as on GPUs).
         matmul_curve: measured (matrix size n, TFLOP/s) points of an n x n x n matmul (local bench entries only).
         source: where the numbers come from.
     """
@@ -64,6 +69,9 @@ class GPUSpec:
     sfu_texp: float = 4.0
     a2a_latency_us: float | None = None
     op_overhead_us: float | None = None
+    fsdp_unit_latency_us: float | None = None
+    fsdp_unit_gbps: float | None = None
+    softmax_gelem_s: float | None = None
     matmul_curve: tuple[tuple[int, float], ...] = field(default=())
     source: str = ""
 
@@ -80,6 +88,12 @@ class GPUSpec:
         for f in ("hbm_gb", "hbm_tbps", "nvlink_gbps", "nic_gbps", "sfu_texp"):
             if not getattr(self, f) > 0:
                 raise HardwareError(f"GPU {self.name!r}: {f}={getattr(self, f)} must be > 0")
+        for f in ("a2a_latency_us", "op_overhead_us", "fsdp_unit_latency_us", "softmax_gelem_s"):
+            v = getattr(self, f)
+            if v is not None and v < 0:
+                raise HardwareError(f"GPU {self.name!r}: {f}={v} must be >= 0")
+        if self.fsdp_unit_gbps is not None and not self.fsdp_unit_gbps > 0:
+            raise HardwareError(f"GPU {self.name!r}: fsdp_unit_gbps={self.fsdp_unit_gbps} must be > 0")
         if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 1:
             raise HardwareError(f"GPU {self.name!r}: nvlink_domain={self.nvlink_domain!r} must be an integer >= 1")
 
@@ -251,6 +265,8 @@ def load_gpu_file(path: str | os.PathLike) -> list[GPUSpec]:
 # ---- the local machine, from `moetrain bench` ------------------------------------------------------------------
 
 DEFAULT_BENCH_PATH = Path(".cache") / "moetrain" / "bench.json"
+#: Oldest ``moetrain bench`` results layout this model reads (``moetrain.plan.bench.BENCH_VERSION``).
+BENCH_VERSION_REQUIRED = 2
 
 
 def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name: str = "local") -> GPUSpec:
@@ -273,6 +289,10 @@ def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name
             bench = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise HardwareError(f"cannot read bench results {p}: {e}") from None
+    version = bench.get("bench_version", 1)
+    if version < BENCH_VERSION_REQUIRED:
+        raise HardwareError(f"bench results of an older layout (version {version}; collectives were timed in an idle "
+                            f"loop and FSDP2 was not measured); rerun `moetrain bench`")
     try:
         mm = bench["matmul"]
         curve = tuple(sorted((int(r["n"]), float(r["tflops"])) for r in mm["fp32"]))
@@ -281,11 +301,14 @@ def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name
             peaks["bf16"] = max(float(r["tflops"]) for r in mm["bf16"])
         a2a = bench["all_to_all"]
         a2a_bw = float(a2a["bandwidth_gbps"])
+        fsdp = bench["fsdp_unit"]
         spec = GPUSpec(
             name=name, generation="cpu", peak_tflops=peaks,
             hbm_gb=float(bench.get("memory_gb", 16.0)), hbm_tbps=float(bench["memory_bandwidth_gbps"]) / 1e3,
             nvlink_gbps=a2a_bw, nvlink_domain=1 << 20, nic_gbps=a2a_bw, sfu_texp=1e3,
             a2a_latency_us=float(a2a["latency_us"]), op_overhead_us=float(bench["op_overhead_us"]),
+            fsdp_unit_latency_us=float(fsdp["latency_us"]), fsdp_unit_gbps=float(fsdp["bandwidth_gbps"]),
+            softmax_gelem_s=float(bench["cross_entropy_gelem_s"]),
             matmul_curve=curve, source=f"moetrain bench on {bench.get('host', 'this machine')}",
         )
     except (KeyError, TypeError, ValueError) as e:

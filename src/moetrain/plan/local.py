@@ -144,9 +144,16 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
     Raises:
         HardwareError: no bench results (run ``moetrain bench``).
     """
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+
     gpu = gpu_from_bench(bench_json)
     plan = local_plan(model_cfg, seq_len, micro_batch, grad_accum, world, ep, activation_checkpointing, precision)
-    pred = predict(model_cfg, gpu, world, plan, op_counts=count_ops(model_cfg, seq_len))
+    counts = count_ops(model_cfg, seq_len)
+    # moetrain's dispatcher (dropless, token dedup: the trainer's default) makes this many all-to-alls per MoE layer;
+    # activation checkpointing repeats the forward ones
+    fwd, bwd = AllToAllDispatcher.CALLS_DEDUP
+    counts["a2a_calls"] = fwd * (2 if activation_checkpointing else 1) + bwd
+    pred = predict(model_cfg, gpu, world, plan, op_counts=counts)
     if not pred.fits:
         raise ValueError(f"the local run does not fit in memory: {pred.message}")
     tok = pred.tokens_per_s_per_gpu * world

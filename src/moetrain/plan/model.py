@@ -423,8 +423,11 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     if p.recompute == "full":
         passes += [d_b, 2.0]
     if p.ep > 1:
-        # + one metadata exchange (tokens per expert) before each forward dispatch
-        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * (2 if p.recompute == "full" else 1)
+        # + one metadata exchange (tokens per expert) before each forward dispatch; a system whose dispatcher makes
+        # a known number of calls per layer (moetrain's own, for local runs) pays one latency per call instead
+        calls = c.op_counts.get("a2a_calls") if c.op_counts else None
+        extra = calls - len(passes) if calls is not None else (2 if p.recompute == "full" else 1)
+        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * max(0.0, extra)
 
 
 def _head_item(c: _Ctx, cost: ItemCost, n_heads_out: int = 1) -> None:
@@ -436,8 +439,12 @@ def _head_item(c: _Ctx, cost: ItemCost, n_heads_out: int = 1) -> None:
     # the output head stays BF16 (Megatron's output layer and DeepSeek-V3 keep it out of FP8)
     t, _ = c.gemm_time(f, [(T, h, s.vocab / p.tp, n_heads_out)], c.bf16_peak, fp8=False)
     cost.head_s += t
-    # fused cross-entropy: read logits, write their gradient (once, in the forward); final norm
-    cost.mem_s += n * n_heads_out * 4 * s.vocab / c.hbm + n * 12 * h / c.hbm
+    # fused cross-entropy: read logits, write their gradient (once, in the forward); final norm. Where the machine's
+    # log-softmax rate was measured (CPUs, whose exponentials are slower than their memory), that rate bounds it.
+    xent = n * n_heads_out * 4 * s.vocab / c.hbm
+    if c.gpu.softmax_gelem_s:
+        xent = max(xent, n * n_heads_out * s.vocab / (c.gpu.softmax_gelem_s * 1e9))
+    cost.mem_s += xent + n * 12 * h / c.hbm
     cost.act_bytes += n * n_heads_out * (2 * s.vocab + 2 * h)
     if p.tp > 1:
         by = (p.tp - 1) / p.tp * T * h * 2
@@ -640,7 +647,8 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
             gets the factor that makes its step ``constants.REAL_ROUTING_SLOWDOWN`` times the forced-balanced
             step (:func:`_solve_real_imbalance`); the returned prediction's plan carries it.
         op_counts: operators per forward + backward of each item kind, for machines with a measured per-operator
-            overhead (:func:`moetrain.plan.local.count_ops`); None = a generic estimate.
+            overhead (:func:`moetrain.plan.local.count_ops`); None = a generic estimate. An ``"a2a_calls"`` entry
+            is the dispatcher's all-to-all calls per MoE layer (forward + backward), each charged one latency.
 
     Returns:
         :class:`Prediction`; ``fits`` is False (and no throughput is given) when the plan needs more memory
@@ -790,11 +798,27 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         return (sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx]),
                 sum(costs[k].params_expert for s_idx in sts for k in stages[s_idx]))
 
+    measured_fsdp = spec.fsdp_unit_latency_us is not None and spec.fsdp_unit_gbps is not None
+    fsdp_lat = (spec.fsdp_unit_latency_us or 0.0) * 1e-6
+    fsdp_bw = (spec.fsdp_unit_gbps or 1.0) * 1e9
     dev_time, dev_parts = [], []
     for d, sts in enumerate(dev_stages):
         parts = {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
         t_total = 0.0
-        if plan.fsdp:
+        if plan.fsdp and measured_fsdp:
+            # FSDP2 as measured by `moetrain bench` on this machine: each unit (a block, its experts when they are
+            # sharded over an expert-data-parallel group, the root with embedding and head) costs a measured
+            # latency plus its parameter bytes at a measured rate per micro-batch: the forward and backward
+            # all-gathers, the gradient reduce-scatter, hooks and copies, in lock-step on shared cores
+            units = [costs[k].params_dense for s_idx in sts for k in stages[s_idx] if k in ("d", "t", "m")]
+            if plan.edp > 1:
+                units += [costs[k].params_expert for s_idx in sts for k in stages[s_idx] if k in ("t", "m")]
+            root = sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx] if k in ("E", "L"))
+            units += [root] if root > 0 else []
+            t_fsdp = sum(fsdp_lat + u * c.param_bytes / fsdp_bw for u in units) if g_dense > 1 else 0.0
+            parts["comm"] += t_fsdp
+            t_total += t_fsdp
+        elif plan.fsdp:
             # FSDP: every micro-batch all-gathers the rank's parameters in its forward and again in its backward;
             # exposed on CPUs (gloo shares the cores), else hidden behind compute except the first layer's
             pdd, ped = dev_params(sts)
@@ -863,6 +887,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
     pe_slow = sum(costs[k].params_expert for s_idx in dev_stages[slow] for k in stages[s_idx])
 
     rs = (dp_time(pd_slow, g_dense, plan.tp, c.grad_bytes) + dp_time(pe_slow, g_exp, plan.ep, c.grad_bytes))
+    if plan.fsdp and measured_fsdp:
+        rs = 0.0  # the measured FSDP2 unit cost includes its reduce-scatter
     ag = 0.0 if plan.fsdp else (dp_time(pd_slow, g_dense, plan.tp, c.param_bytes)
                                 + dp_time(pe_slow, g_exp, plan.ep, c.param_bytes))
     if spec.generation == "cpu":
