@@ -93,3 +93,22 @@ def test_quick_bench(tmp_path):
     assert res["cross_entropy_gelem_s"] > 0 and res["bench_version"] == 2
     g = gpu_from_bench(tmp_path / "b.json")
     assert g.peak_tflops["fp32"] > 0 and g.fsdp_unit_latency_us is not None and g.softmax_gelem_s > 0
+
+
+def test_plan_cli_on_the_local_gpu_counts_moetrains_own_calls(tmp_path):
+    """`moetrain plan --gpu local` and predict_local_train charge the same operator and all-to-all counts."""
+    import json
+    from dataclasses import replace
+
+    from moetrain.plan.cli import main
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(BENCH))
+    out = tmp_path / "p.json"
+    assert main(["plan", "--gpu", "local", "--bench-file", str(bench), "--gpus", "2", "--model", "tiny", "--ep", "2",
+                 "--mbs", "8", "--gbs", "16", "--seq", "64", "--precision", "fp32", "--optimizer", "fp32", "--fsdp",
+                 "--routing", "balanced", "--no-ep-overlap", "--json-out", str(out)]) == 0
+    cli = json.loads(out.read_text())
+    cfg = replace(get_preset("tiny"), routing="balanced")
+    ref = predict_local_train(cfg, 64, 8, 1, world=2, ep=2, bench_json=BENCH)
+    assert cli["step_s"]["step"] == pytest.approx(ref.step_s, rel=1e-9)

@@ -171,8 +171,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _cmd_search(args, shape, gpu, n, plan)
         op_counts = None
         if gpu.generation == "cpu" and shape.attention == "mla":
-            from moetrain.plan.local import count_ops
-            op_counts = count_ops(shape.config, plan.seq_len)
+            from dataclasses import replace as _replace
+
+            from moetrain.plan.local import moetrain_counts
+            # count the code path the plan's routing takes (forced balance skips the top-k selection)
+            cfg = shape.config
+            if hasattr(cfg, "routing"):
+                cfg = _replace(cfg, routing="balanced" if plan.routing == "balanced" else "learned")
+            op_counts = moetrain_counts(cfg, plan.seq_len, plan.recompute == "full")
         pred = predict(shape, gpu, n, plan, op_counts=op_counts)
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)

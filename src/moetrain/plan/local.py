@@ -99,6 +99,19 @@ def count_ops(cfg: ModelConfig, seq_len: int = 16) -> dict[str, float]:
     return dict(_count_ops_cached(tuple(sorted(cfg.to_dict().items())), seq_len))
 
 
+def moetrain_counts(cfg: ModelConfig, seq_len: int = 16, activation_checkpointing: bool = False
+                    ) -> dict[str, float]:
+    """What moetrain's own code launches, for the cost model: :func:`count_ops` per item kind plus ``"a2a_calls"``,
+    the all-to-all calls per MoE layer of its dispatcher (dropless with token dedup, the trainer's default;
+    activation checkpointing repeats the forward ones)."""
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+
+    counts = count_ops(cfg, seq_len)
+    fwd, bwd = AllToAllDispatcher.CALLS_DEDUP
+    counts["a2a_calls"] = fwd * (2 if activation_checkpointing else 1) + bwd
+    return counts
+
+
 @dataclass
 class LocalPrediction:
     """Predicted throughput of a local training run.
@@ -144,16 +157,10 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
     Raises:
         HardwareError: no bench results (run ``moetrain bench``).
     """
-    from moetrain.parallel.dispatch import AllToAllDispatcher
-
     gpu = gpu_from_bench(bench_json)
     plan = local_plan(model_cfg, seq_len, micro_batch, grad_accum, world, ep, activation_checkpointing, precision)
-    counts = count_ops(model_cfg, seq_len)
-    # moetrain's dispatcher (dropless, token dedup: the trainer's default) makes this many all-to-alls per MoE layer;
-    # activation checkpointing repeats the forward ones
-    fwd, bwd = AllToAllDispatcher.CALLS_DEDUP
-    counts["a2a_calls"] = fwd * (2 if activation_checkpointing else 1) + bwd
-    pred = predict(model_cfg, gpu, world, plan, op_counts=counts)
+    pred = predict(model_cfg, gpu, world, plan,
+                   op_counts=moetrain_counts(model_cfg, seq_len, activation_checkpointing))
     if not pred.fits:
         raise ValueError(f"the local run does not fit in memory: {pred.message}")
     tok = pred.tokens_per_s_per_gpu * world
