@@ -686,7 +686,6 @@ def _write_json(p: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-
 def iter_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs of ``model`` one at a time, in checkpoint order (for custom writers)."""
     for e in _entries(model)[0]:

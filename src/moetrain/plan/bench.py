@@ -39,10 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from moetrain.plan.hardware import DEFAULT_BENCH_PATH
-
-#: Version of the results layout; :func:`moetrain.plan.hardware.gpu_from_bench` refuses older files.
-BENCH_VERSION = 2
+from moetrain.plan.hardware import BENCH_VERSION, DEFAULT_BENCH_PATH
 
 #: Compute between two timed collectives in the lock-step loops (seconds): a training step issues a collective
 #: every few milliseconds (per layer: dispatch, combine, FSDP all-gathers).
@@ -245,34 +242,22 @@ def _worker(rank: int, world: int, port: int, opts: dict[str, Any], out_path: st
         log(f"collectives between {world} gloo processes ...", flush=True)
         burst = _Burst()
         iters = opts["iters"]
-        a2a, a2a_idle, ag, rs = [], [], [], []
+        rows: dict[str, list[dict[str, float]]] = {k: [] for k in
+                                                   ("all_to_all", "all_to_all_idle", "all_gather", "reduce_scatter")}
         for nbytes in opts["coll_sizes"]:
             n = max(world, nbytes // 4 // world * world)
             inp, outp = torch.randn(n), torch.empty(n)
             shard = torch.randn(n // world)
-            to_others = n * 4 * (world - 1) / world
-
-            def a2a_op() -> None:
-                dist.all_to_all_single(outp, inp)
-
-            def ag_op() -> None:
-                _all_gather(outp, shard)
-
-            def rs_op() -> None:
-                _reduce_scatter(shard, inp)
-
-            a2a.append({"bytes_per_rank": n * 4, "bytes_to_others": to_others,
-                        "seconds": _lockstep_mean(a2a_op, burst, iters)})
-            a2a_idle.append({"bytes_per_rank": n * 4, "bytes_to_others": to_others,
-                             "seconds": _lockstep_mean(a2a_op, None, iters)})
-            ag.append({"bytes_gathered": n * 4, "bytes_to_others": to_others,
-                       "seconds": _lockstep_mean(ag_op, burst, iters)})
-            rs.append({"bytes_reduced": n * 4, "bytes_to_others": to_others,
-                       "seconds": _lockstep_mean(rs_op, burst, iters)})
-        res["all_to_all"] = {"procs": world, **_fit_rows(a2a, "bytes_to_others")}
-        res["all_to_all_idle"] = {"procs": world, **_fit_rows(a2a_idle, "bytes_to_others")}
-        res["all_gather"] = _fit_rows(ag, "bytes_to_others")
-        res["reduce_scatter"] = _fit_rows(rs, "bytes_to_others")
+            # (table, the call, compute between calls, name of the size field)
+            cases = (("all_to_all", lambda: dist.all_to_all_single(outp, inp), burst, "bytes_per_rank"),
+                     ("all_to_all_idle", lambda: dist.all_to_all_single(outp, inp), None, "bytes_per_rank"),
+                     ("all_gather", lambda: _all_gather(outp, shard), burst, "bytes_gathered"),
+                     ("reduce_scatter", lambda: _reduce_scatter(shard, inp), burst, "bytes_reduced"))
+            for key, op, between, size_key in cases:
+                rows[key].append({size_key: n * 4, "bytes_to_others": n * 4 * (world - 1) / world,
+                                  "seconds": _lockstep_mean(op, between, iters)})
+        for key, pts in rows.items():
+            res[key] = {"procs": world, **_fit_rows(pts, "bytes_to_others")}
         # 3. one FSDP2 unit (what moetrain train wraps every block in)
         log("FSDP2 unit ...", flush=True)
         res["fsdp_unit"] = _fit_rows(_fsdp_unit_rows(world, opts["fsdp_dims"], iters), "unit_param_bytes")

@@ -265,8 +265,9 @@ def load_gpu_file(path: str | os.PathLike) -> list[GPUSpec]:
 # ---- the local machine, from `moetrain bench` ------------------------------------------------------------------
 
 DEFAULT_BENCH_PATH = Path(".cache") / "moetrain" / "bench.json"
-#: Oldest ``moetrain bench`` results layout this model reads (``moetrain.plan.bench.BENCH_VERSION``).
-BENCH_VERSION_REQUIRED = 2
+#: Layout of the ``moetrain bench`` results file: ``moetrain.plan.bench`` writes it, :func:`gpu_from_bench` refuses
+#: older files (2: collectives timed in lock-step with compute, FSDP2 unit and cross-entropy rate measured).
+BENCH_VERSION = 2
 
 
 def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name: str = "local") -> GPUSpec:
@@ -290,7 +291,7 @@ def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name
         except (OSError, json.JSONDecodeError) as e:
             raise HardwareError(f"cannot read bench results {p}: {e}") from None
     version = bench.get("bench_version", 1)
-    if version < BENCH_VERSION_REQUIRED:
+    if version < BENCH_VERSION:
         raise HardwareError(f"bench results of an older layout (version {version}; collectives were timed in an idle "
                             f"loop and FSDP2 was not measured); rerun `moetrain bench`")
     try:

@@ -799,8 +799,6 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
                 sum(costs[k].params_expert for s_idx in sts for k in stages[s_idx]))
 
     measured_fsdp = spec.fsdp_unit_latency_us is not None and spec.fsdp_unit_gbps is not None
-    fsdp_lat = (spec.fsdp_unit_latency_us or 0.0) * 1e-6
-    fsdp_bw = (spec.fsdp_unit_gbps or 1.0) * 1e9
     dev_time, dev_parts = [], []
     for d, sts in enumerate(dev_stages):
         parts = {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
@@ -815,7 +813,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
                 units += [costs[k].params_expert for s_idx in sts for k in stages[s_idx] if k in ("t", "m")]
             root = sum(costs[k].params_dense for s_idx in sts for k in stages[s_idx] if k in ("E", "L"))
             units += [root] if root > 0 else []
-            t_fsdp = sum(fsdp_lat + u * c.param_bytes / fsdp_bw for u in units) if g_dense > 1 else 0.0
+            t_fsdp = (sum(spec.fsdp_unit_latency_us * 1e-6 + u * c.param_bytes / (spec.fsdp_unit_gbps * 1e9)
+                          for u in units) if g_dense > 1 else 0.0)
             parts["comm"] += t_fsdp
             t_total += t_fsdp
         elif plan.fsdp:

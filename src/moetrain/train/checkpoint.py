@@ -153,7 +153,6 @@ def check_checkpoint_files(path: str | Path) -> None:
                               f"to resume from the previous one")
 
 
-
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
     p = Path(path) / "trainer_state.json"
     if not p.is_file():
