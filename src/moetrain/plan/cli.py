@@ -169,17 +169,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
             return _cmd_search(args, shape, gpu, n, plan)
-        op_counts = None
-        if gpu.generation == "cpu" and shape.attention == "mla":
+        pred = predict(shape, gpu, n, plan)
+        if pred.fits and gpu.generation == "cpu" and shape.attention == "mla":
             from dataclasses import replace as _replace
 
-            from moetrain.plan.local import moetrain_counts
-            # count the code path the plan's routing takes (forced balance skips the top-k selection)
+            from moetrain.plan.counts import count_code
+            # moetrain's own code on a measured machine: count what it launches, on the plan's routing path
+            # (forced balance skips the top-k selection); a plan that does not fit is reported, never counted
             cfg = shape.config
             if hasattr(cfg, "routing"):
                 cfg = _replace(cfg, routing="balanced" if plan.routing == "balanced" else "learned")
-            op_counts = moetrain_counts(cfg, plan.seq_len, plan.recompute == "full")
-        pred = predict(shape, gpu, n, plan, op_counts=op_counts)
+            pred = predict(shape, gpu, n, plan, counts=count_code(cfg, plan.seq_len, plan.recompute == "full"))
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2

@@ -119,9 +119,13 @@ CPU = Efficiency(
     # Expert GEMMs under gloo EP are a Python loop or a grouped kernel over small per-expert batches: 0.6.
     grouped_gemm=0.60,
     # Attention on CPU is scaled_dot_product_attention's math path: batched GEMMs plus a softmax over L x L.
+    # (Used for models whose code is not counted; for moetrain's own model the softmax and masking are counted
+    # operators -- moetrain.plan.counts -- and the batched GEMMs run at ``gemm_bf16``.)
     attention=0.50,
     sfu=1.0,
-    # Elementwise PyTorch CPU kernels vs a measured large copy: allocation, and non-contiguous layouts: 0.5.
+    # Elementwise PyTorch CPU kernels vs a measured large copy, when the bytes come from the fused-kernel formulas
+    # of the model: eager PyTorch moves more (unfused, fp32, allocation), 0.5. Bytes counted on moetrain's own code
+    # (moetrain.plan.counts) are the eager traffic itself and are charged at the measured copy rate, no factor.
     hbm=0.50,
     # The bench measures gloo all-to-all between local processes directly; take it as is.
     nvlink=1.0,

@@ -50,6 +50,7 @@ from moetrain.plan.constants import (
     Efficiency,
     efficiency_for,
 )
+from moetrain.plan.counts import CodeCounts
 from moetrain.plan.hardware import GPUSpec, get_gpu
 from moetrain.plan.plan import Plan, balanced_partition, default_items, layout_items, validate
 from moetrain.plan.shape import ModelShape, load_shape
@@ -193,9 +194,9 @@ class _Ctx:
     """Everything the per-item formulas need, computed once per prediction."""
 
     def __init__(self, shape: ModelShape, gpu: GPUSpec, plan: Plan, eff: Efficiency,
-                 op_counts: dict[str, float] | None = None):
+                 counts: CodeCounts | None = None):
         self.shape, self.gpu, self.plan, self.eff = shape, gpu, plan, eff
-        self.op_counts = op_counts
+        self.counts = counts
         p = plan
         self.tok_mb = p.micro_batch * p.seq_len                    # tokens of one micro-batch (one DP replica)
         self.n = self.tok_mb / (p.tp * p.cp)                       # tokens per GPU (sequence + context parallel)
@@ -209,6 +210,8 @@ class _Ctx:
         self.param_bytes = 4.0 if p.precision == "fp32" else 2.0
         self.fp32_peak = self._peak("fp32") * eff.gemm("fp32")
         self.hbm = gpu.hbm_tbps * 1e12 * eff.hbm
+        # counted bytes (measured machines, moetrain's own code) are exact eager traffic: the measured copy rate
+        self.mem_bw = gpu.hbm_tbps * 1e12
         self.nvl = gpu.nvlink_gbps * 1e9 * eff.nvlink
         self.nic = gpu.nic_gbps * 1e9 * eff.nic
         self.w_bytes = 1.0 if self.fp8 else self.param_bytes       # weight bytes a GEMM streams
@@ -312,7 +315,12 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
     n_exp = T * (s.n_heads / tp) * p.seq_len
     sfu = c.gpu.sfu_texp * 1e12 * c.eff.sfu
     rate = c._curve_rate(p.seq_len, s.qk_head_dim, p.seq_len)
-    rate = rate * c.eff.attention if rate else c.attn_peak
+    if rate and c.counts is not None:
+        # counted code: the softmax, mask and scaling of eager attention are counted operators (item_cost), only
+        # the batched GEMMs are left, at the GEMM fraction of the measured curve
+        rate *= c.eff.gemm("fp32")
+    else:
+        rate = rate * c.eff.attention if rate else c.attn_peak
     cost.attn_s += max(flops_core / rate, n_exp / sfu)
     # memory-bound forward bytes per token (norm + cast, RoPE / layout of q and k, output cast, residual add)
     if s.attention == "mla":
@@ -425,7 +433,7 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     if p.ep > 1:
         # + one metadata exchange (tokens per expert) before each forward dispatch; a system whose dispatcher makes
         # a known number of calls per layer (moetrain's own, for local runs) pays one latency per call instead
-        calls = c.op_counts.get("a2a_calls") if c.op_counts else None
+        calls = c.counts.a2a_calls if c.counts is not None else None
         extra = calls - len(passes) if calls is not None else (2 if p.recompute == "full" else 1)
         cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * max(0.0, extra)
 
@@ -456,8 +464,8 @@ def _ops_overhead(c: _Ctx, kind: str) -> float:
     or CUDA graphs). Operator counts of one forward; the backward launches about twice as many."""
     if not c.op_over:
         return 0.0
-    if c.op_counts is not None:
-        return c.op_counts.get(kind, 0.0) * c.op_over
+    if c.counts is not None:
+        return c.counts.ops.get(kind, 0.0) * c.op_over
     per_fwd = {"d": 45, "t": 70 + 4 * c.e_loc, "m": 80 + 4 * c.e_loc, "L": 10, "E": 3}[kind]
     return 3 * per_fwd * c.op_over
 
@@ -489,6 +497,14 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         _head_item(c, cost)
     else:  # pragma: no cover
         raise ValueError(kind)
+    if c.counts is not None and c.counts.mem_bytes_per_token:
+        # moetrain's own code on a measured machine: its memory-bound work is counted, not estimated
+        # (moetrain.plan.counts): every non-GEMM operator's bytes at the measured bandwidth, and the softmax
+        # elements at the measured cross-entropy rate (the exponentials bound it on CPUs)
+        soft = c.gpu.softmax_gelem_s * 1e9 if c.gpu.softmax_gelem_s else math.inf
+        cost.mem_s = (c.n * (c.counts.mem_bytes_per_token.get(kind, 0.0) / c.mem_bw
+                             + c.counts.softmax_per_token.get(kind, 0.0) / soft)
+                      + c.counts.mem_bytes_per_micro_batch.get(kind, 0.0) / c.mem_bw)
     if p.recompute == "full" and kind in ("d", "t", "m"):
         # forward again from the saved layer input; activations kept = the layer input only
         cost.recompute_s = (cost.gemm_s + cost.grouped_s + cost.attn_s + cost.mem_s) / 3
@@ -635,7 +651,7 @@ def _unpaired_fraction(plan: Plan) -> float:
     return min(1.0, pp / m)
 
 
-def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_counts: dict[str, float] | None = None,
+def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, counts: CodeCounts | None = None,
             _ignore_memory: bool = False) -> Prediction:
     """Predict step time, throughput and memory of ``plan`` for ``model`` on ``n_gpus`` GPUs of type ``gpu``.
 
@@ -646,9 +662,9 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
         plan: the plan (validated here; DP is derived when None). Real routing without an ``imbalance`` factor
             gets the factor that makes its step ``constants.REAL_ROUTING_SLOWDOWN`` times the forced-balanced
             step (:func:`_solve_real_imbalance`); the returned prediction's plan carries it.
-        op_counts: operators per forward + backward of each item kind, for machines with a measured per-operator
-            overhead (:func:`moetrain.plan.local.count_ops`); None = a generic estimate. An ``"a2a_calls"`` entry
-            is the dispatcher's all-to-all calls per MoE layer (forward + backward), each charged one latency.
+        counts: what moetrain's own code launches (:func:`moetrain.plan.counts.count_code`), for measured local
+            machines: per-operator overhead per counted operator, the counted non-GEMM bytes and softmax elements
+            instead of the byte formulas, and one all-to-all latency per dispatcher call. None = the formulas.
 
     Returns:
         :class:`Prediction`; ``fits`` is False (and no throughput is given) when the plan needs more memory
@@ -662,19 +678,19 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, op_count
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = validate(plan, shape, spec, n_gpus)
     if plan.routing == "real" and plan.imbalance is None:
-        x, base = _solve_real_imbalance(shape, spec, n_gpus, plan, op_counts)
-        pred = _predict_at(shape, spec, n_gpus, plan.replace(imbalance=x), op_counts=op_counts,
+        x, base = _solve_real_imbalance(shape, spec, n_gpus, plan, counts)
+        pred = _predict_at(shape, spec, n_gpus, plan.replace(imbalance=x), counts=counts,
                            _ignore_memory=_ignore_memory)
         pred.details["real_routing"] = {
             "target_slowdown": REAL_ROUTING_SLOWDOWN, "solved_imbalance": x, "balanced_step_s": base,
             "note": "max/mean load per EP rank at which this plan's step is REAL_ROUTING_SLOWDOWN x its "
                     "forced-balanced step (published: unforced routing 8-20% slower)"}
         return pred
-    return _predict_at(shape, spec, n_gpus, plan, op_counts=op_counts, _ignore_memory=_ignore_memory)
+    return _predict_at(shape, spec, n_gpus, plan, counts=counts, _ignore_memory=_ignore_memory)
 
 
 def _solve_real_imbalance(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan,
-                          op_counts: dict[str, float] | None) -> tuple[float, float]:
+                          counts: CodeCounts | None) -> tuple[float, float]:
     """The max/mean load per EP rank at which ``plan`` (real routing) is ``REAL_ROUTING_SLOWDOWN`` times slower
     than the same plan forced-balanced; also returns the balanced step time.
 
@@ -684,7 +700,7 @@ def _solve_real_imbalance(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: P
     """
     def step(x: float | None) -> float:
         p = plan.replace(routing="balanced") if x is None else plan.replace(imbalance=x)
-        return _predict_at(shape, spec, n_gpus, p, op_counts=op_counts, _ignore_memory=True).step.step
+        return _predict_at(shape, spec, n_gpus, p, counts=counts, _ignore_memory=True).step.step
 
     base = step(None)
     target = REAL_ROUTING_SLOWDOWN * base
@@ -720,10 +736,10 @@ def _solve_real_imbalance(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: P
 
 
 def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
-                op_counts: dict[str, float] | None = None, _ignore_memory: bool = False) -> Prediction:
+                counts: CodeCounts | None = None, _ignore_memory: bool = False) -> Prediction:
     """:func:`predict` for a validated plan whose routing imbalance is known."""
     eff = efficiency_for(spec.generation)
-    c = _Ctx(shape, spec, plan, eff, op_counts)
+    c = _Ctx(shape, spec, plan, eff, counts)
     sched = plan.resolved_schedule
     overlap = plan.overlapped and plan.ep > 1
     u = _unpaired_fraction(plan) if overlap else 1.0
