@@ -78,3 +78,61 @@ def test_plan_on_the_local_gpu_reports_a_model_that_does_not_fit_without_buildin
                "deepseek-v2-lite-16b", "--ep", "2", "--mbs", "1", "--gbs", "2", "--seq", "512", "--fsdp"])
     assert rc == 3
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_counting_refuses_a_sequence_the_trainer_refuses():
+    cfg = get_preset("tiny")
+    for bad in (0, cfg.max_seq_len + 1):
+        with pytest.raises(ValueError, match="max_seq_len"):
+            count_code(cfg, bad)
+
+
+def _cli(tmp_path, *flags: str, bench: dict | None = None) -> tuple[int, str]:
+    import contextlib
+    import io
+    import json
+
+    from moetrain.plan.cli import main
+    from tests.plan.test_local import BENCH
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench or BENCH))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["plan", "--gpu", "local", "--bench-file", str(path), *flags])
+    return rc, err.getvalue()
+
+
+def test_plan_on_the_local_gpu_defaults_to_the_trainers_own_run(tmp_path):
+    """No flags: the built-in `moetrain train` job (tiny, 64-token sequences, 32 per micro-batch, EP 2, fp32, FSDP2,
+    learned routing) on the bench's 2 processes -- the same prediction as predict_local_train."""
+    import json
+
+    from moetrain.config import JobConfig
+    from moetrain.plan.local import predict_local_train
+    from tests.plan.test_local import BENCH
+
+    out = tmp_path / "p.json"
+    rc, _ = _cli(tmp_path, "--json-out", str(out))
+    assert rc == 0
+    job = JobConfig()
+    ref = predict_local_train(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum,
+                              world=2, ep=job.parallel.ep, bench_json=BENCH)
+    assert json.loads(out.read_text())["step_s"]["step"] == pytest.approx(ref.step_s, rel=1e-9)
+
+
+def test_plan_on_the_local_gpu_refuses_what_the_bench_did_not_measure(tmp_path):
+    rc, err = _cli(tmp_path, "--gpus", "4")
+    assert rc == 2 and "moetrain bench --procs 4" in err
+    rc, err = _cli(tmp_path, "--search")
+    assert rc == 2 and "--search and --scale plan GPU clusters" in err
+    rc, err = _cli(tmp_path, "--seq", "5000")
+    assert rc == 2 and "max_seq_len" in err
+
+
+def test_local_processes_share_the_machines_memory():
+    from moetrain.plan.hardware import gpu_from_bench
+    from tests.plan.test_local import BENCH
+
+    g = gpu_from_bench({**BENCH, "memory_gb": 24, "procs": 3})
+    assert g.hbm_gb == 8 and g.host_procs == 3

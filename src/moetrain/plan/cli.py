@@ -33,10 +33,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", help="preset (deepseek-v3-671b, deepseek-v2-lite-16b, small, tiny) or a HF "
                    "config.json / directory (DeepSeek-V3/V2, or a GQA MoE such as Mixtral / Qwen-MoE); "
-                   "default deepseek-v3-671b")
+                   "default deepseek-v3-671b (--gpu local: the trainer's, tiny)")
     g.add_argument("--gpu", help="GPU type: h100, h800, h200, b200, b300, gb200, gb300, a --gpu-file entry, or "
                    "'local' (this machine, from `moetrain bench`); default gb300")
-    g.add_argument("--gpus", type=int, help="number of GPUs (default 256)")
+    g.add_argument("--gpus", type=int, help="number of GPUs (default 256; --gpu local: the bench's processes; "
+                   "--gpu local starts from `moetrain train`'s own run: fp32, FSDP2, its batch, sequence and EP)")
     g.add_argument("--gpu-file", action="append", default=[], help="TOML/JSON file of user GPU entries")
     g.add_argument("--bench-file", help="bench results for --gpu local (default .cache/moetrain/bench.json)")
     g.add_argument("--nic-gbit", type=float, help="what-if: override the NIC bandwidth per GPU (Gb/s)")
@@ -117,15 +118,17 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     for f in args.gpu_file:
         load_gpu_file(f)
     rec = get_record(args.record) if args.record else None
-    shape = load_shape(args.model or (rec.model if rec else "deepseek-v3-671b"))
     gpu_name = args.gpu or (rec.gpu if rec else "gb300")
     gpu = gpu_from_bench(args.bench_file) if gpu_name == "local" else get_gpu(gpu_name)
+    # a `moetrain bench` machine defaults to the trainer's own run on it (model, data, batch, EP, processes)
+    local = gpu.host_procs is not None
+    shape = load_shape(args.model or (rec.model if rec else _trainer_preset() if local else "deepseek-v3-671b"))
     if args.nic_gbit is not None:
         gpu = with_overrides(gpu, nic_gbps=args.nic_gbit / 8)
     if args.nvlink_domain is not None:
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
-    n = args.gpus or (rec.n_gpus if rec else 256)
-    plan = rec.plan if rec else Plan()
+    n = args.gpus or (rec.n_gpus if rec else gpu.host_procs if local else 256)
+    plan = rec.plan if rec else _trainer_plan(shape, n) if local else Plan()
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)
@@ -150,6 +153,38 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     return shape, gpu, n, plan, (rec if rec and not changes and not args.gpus and not args.gpu else None)
 
 
+def _trainer_preset() -> str:
+    from moetrain.config import JobConfig
+
+    return JobConfig().preset
+
+
+def _trainer_plan(shape: Any, n: int) -> Plan:
+    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes."""
+    from moetrain.config import JobConfig
+    from moetrain.plan.local import local_plan
+
+    job = JobConfig()
+    cfg = shape.config
+    ep = job.parallel.ep if n % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
+    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
+                      job.train.grad_accum, world=n, ep=ep)
+    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
+
+
+def _local_counts(shape: Any, gpu: Any, plan: Plan) -> Any:
+    """What moetrain's own code launches, for a plan on a measured machine; None where it does not apply (GPU
+    types, models that are not moetrain's MLA architecture)."""
+    if gpu.generation != "cpu" or shape.attention != "mla" or not hasattr(shape.config, "routing"):
+        return None
+    from dataclasses import replace as _replace
+
+    from moetrain.plan.counts import count_code
+    # counted on the plan's routing path (forced balance skips the top-k selection)
+    cfg = _replace(shape.config, routing="balanced" if plan.routing == "balanced" else "learned")
+    return count_code(cfg, plan.seq_len, plan.recompute == "full")
+
+
 def _emit_json(obj: Any, args: argparse.Namespace) -> None:
     from moetrain.plan.report import to_json
 
@@ -165,21 +200,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.records:
             return _cmd_records(args)
         shape, gpu, n, plan, rec = _resolve(args)
+        if (args.scale or args.search) and gpu.host_procs is not None:
+            raise ValueError("--search and --scale plan GPU clusters; on --gpu local predict one run (the trainer "
+                             "runs data + expert parallelism only), e.g. `moetrain plan --gpu local --ep 1`")
         if args.scale:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
             return _cmd_search(args, shape, gpu, n, plan)
+        max_len = getattr(shape.config, "max_seq_len", None)
+        if gpu.host_procs is not None and max_len is not None and plan.seq_len > max_len:
+            raise ValueError(f"--seq {plan.seq_len} exceeds the model's max_seq_len {max_len}; moetrain train "
+                             f"refuses that run too -- use a shorter --seq")
         pred = predict(shape, gpu, n, plan)
-        if pred.fits and gpu.generation == "cpu" and shape.attention == "mla":
-            from dataclasses import replace as _replace
-
-            from moetrain.plan.counts import count_code
-            # moetrain's own code on a measured machine: count what it launches, on the plan's routing path
-            # (forced balance skips the top-k selection); a plan that does not fit is reported, never counted
-            cfg = shape.config
-            if hasattr(cfg, "routing"):
-                cfg = _replace(cfg, routing="balanced" if plan.routing == "balanced" else "learned")
-            pred = predict(shape, gpu, n, plan, counts=count_code(cfg, plan.seq_len, plan.recompute == "full"))
+        counts = _local_counts(shape, gpu, plan) if pred.fits else None  # a plan that does not fit is not counted
+        if counts is not None:
+            pred = predict(shape, gpu, n, plan, counts=counts)
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2

@@ -155,6 +155,10 @@ ELEMENTWISE_BWD_TO_FWD = 2.0
 #: buffers (HybridEP/DeepEP reserve ~1-2 GiB), cuBLAS/cuDNN workspaces.
 RESERVED_GIB = 4.0
 
+#: The same for one CPU training process (local runs): the Python interpreter with torch, torch.distributed and
+#: moetrain imported measures 0.23 GB resident on the bench machine; gloo buffers and allocator slack on top.
+RESERVED_GIB_CPU = 0.5
+
 #: Step-time ratio of unforced ("real") routing to forced-balanced routing when the plan gives no imbalance
 #: factor. The published statement is about the *step*: unforced routing is 8-20% slower than forced balance
 #: (REFERENCE.md section 4); 1.15 is the middle of that range. The model does not multiply the step by it:
@@ -179,6 +183,7 @@ def all_constants() -> dict[str, object]:
         "generations": {g: e.to_dict() for g, e in BY_GENERATION.items()},
         "ELEMENTWISE_BWD_TO_FWD": ELEMENTWISE_BWD_TO_FWD,
         "RESERVED_GIB": RESERVED_GIB,
+        "RESERVED_GIB_CPU": RESERVED_GIB_CPU,
         "REAL_ROUTING_SLOWDOWN": REAL_ROUTING_SLOWDOWN,
         "FP8_BYTES": FP8_BYTES,
     }

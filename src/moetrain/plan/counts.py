@@ -4,7 +4,7 @@ A measured local machine (``moetrain bench``) runs PyTorch eager: every operator
 streams its inputs and outputs through memory, and the GPU-style byte formulas of :mod:`moetrain.plan.model`
 (fused kernels, BF16 activations) undercount that traffic about twofold. So for moetrain's own model the cost
 model does not estimate the memory-bound work, it counts it: a ``TorchDispatchMode`` sees every aten operator of
-one forward + backward on a batch of one sequence of the run's length and sorts it into
+one forward + backward at the run's sequence length and sorts it into
 
 * **GEMMs** (``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``_grouped_mm``): not counted here, the model times them
   from their FLOPs at the measured matmul rate;
@@ -16,13 +16,15 @@ one forward + backward on a batch of one sequence of the run's length and sorts 
   inputs and outputs, charged at the measured memory bandwidth.
 
 Counts are per pipeline item kind (``"d"`` dense block, ``"t"`` MoE block, ``"m"`` MTP module with its head and
-loss, ``"L"`` the rest: embedding, final norm, head, loss), taken on a copy of the model cut to one
-block of each kind, so counting costs two small forward + backward passes whatever the depth. The passes run
-two and four sequences: bytes grow linearly with the batch, and the difference separates the per-token traffic
-from the per-micro-batch traffic of weight-sized operators (the embedding's gradient, weight layouts), which a
-per-token figure taken at a small batch would multiply by the batch. Per-token figures hold at the counted sequence
-length (attention's L x L terms); operator counts are per micro-batch. The expert path counted is the single-process one (LocalDispatcher); the all-to-all dispatcher's own permutes differ a little and its calls are
-counted separately (:data:`moetrain.parallel.dispatch.AllToAllDispatcher.CALLS_DEDUP`).
+loss, ``"L"`` the rest: embedding, final norm, head, loss), taken on a copy of the model cut to one block of each
+kind, so counting costs a few small forward + backward passes whatever the depth. The passes run two and four
+sequences: bytes grow linearly with the batch, and the difference separates the per-token traffic from the
+per-micro-batch traffic of weight-sized operators (the embedding's gradient, weight layouts), which a per-token
+figure taken at a small batch would multiply by the batch. Per-token figures hold at the counted sequence length
+(attention's L x L terms); operator counts are per micro-batch. The code runs in fp32 (the trainer's CPU default).
+The expert path counted is the single-process one (LocalDispatcher); the all-to-all dispatcher's own permutes
+differ a little and its calls are counted separately
+(:data:`moetrain.parallel.dispatch.AllToAllDispatcher.CALLS_DEDUP`).
 """
 
 from __future__ import annotations
@@ -72,19 +74,31 @@ def counting_config(cfg: ModelConfig) -> ModelConfig:
                        mtp_depth=min(1, cfg.mtp_depth))
 
 
-def _check_fits_for_counting(cfg: ModelConfig) -> None:
+def counting_memory_bytes(cfg: ModelConfig, seq_len: int) -> float:
+    """A generous estimate of the peak memory of counting (bytes): fp32 weights, gradients and Adam-free slack of
+    the cut model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- eager attention's
+    B x H x L x L scores (about six fp32 copies live in its backward), the logits (about four copies: logits,
+    log-probabilities, their gradients), and ~200 model-width and the experts' vectors per token."""
     from moetrain.accounting import count_params
 
-    need = count_params(counting_config(cfg)).total_with_mtp * 4 * 4  # fp32 weights, gradients, activations and slack
+    B, L = COUNT_BATCHES[1], seq_len
+    params = count_params(counting_config(cfg)).total_with_mtp * 16.0
+    attention = 6 * 4.0 * B * cfg.n_heads * L * L
+    per_token = 4.0 * (4 * cfg.vocab_size + 200 * cfg.dim + 4 * cfg.top_k * (2 * cfg.expert_ffn_dim + cfg.dim))
+    return params + attention + B * L * per_token
+
+
+def _check_fits_for_counting(cfg: ModelConfig, seq_len: int) -> None:
+    need = counting_memory_bytes(cfg, seq_len)
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return
     if need > have / 2:
-        raise ValueError(f"counting moetrain's operators for a local prediction builds one block of each kind of "
-                         f"this model ({need / 2**30:.0f} GiB in fp32 with gradients), more than half of this "
-                         f"machine's {have / 2**30:.0f} GiB; a model this large does not train here -- predict it on "
-                         f"a GPU type (--gpu) instead of --gpu local")
+        raise ValueError(f"counting moetrain's operators for a local prediction runs one block of each kind of this "
+                         f"model at sequence length {seq_len} (about {need / 2**30:.0f} GiB in fp32), more than half "
+                         f"of this machine's {have / 2**30:.0f} GiB; a model or sequence this large does not train "
+                         f"here -- predict it on a GPU type (--gpu) instead of --gpu local")
 
 
 @lru_cache(maxsize=16)
@@ -92,14 +106,13 @@ def _count_cached(cfg_items: tuple, seq_len: int, batch: int) -> tuple[tuple[str
     import torch
 
     cfg = ModelConfig.from_dict(dict(cfg_items))
-    _check_fits_for_counting(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # counting only; one thread avoids OpenMP spinning on a busy machine
+    _check_fits_for_counting(cfg, seq_len)
     try:
-        with torch.random.fork_rng():
-            rows = _count(counting_config(cfg), batch, min(seq_len, cfg.max_seq_len))
-    finally:
-        torch.set_num_threads(threads)
+        with torch.random.fork_rng(devices=[]):  # CPU only: never initialise CUDA to predict a CPU run
+            rows = _count(counting_config(cfg), batch, seq_len)
+    except RuntimeError as e:  # an allocation the estimate did not foresee
+        raise ValueError(f"counting moetrain's operators at sequence length {seq_len} failed ({e}); the run is "
+                         f"likely too large for this machine -- predict it on a GPU type (--gpu)") from None
     return tuple((k, *rows[k]) for k in KINDS)
 
 
@@ -197,13 +210,19 @@ def count_code(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool = 
     Args:
         cfg: the model; its ``routing`` selects the code path whose operators are counted (forced balance skips
             the top-k selection). Bytes are counted under forced balance (see the comment in the code).
-        seq_len: the run's sequence length (capped at ``cfg.max_seq_len``).
+        seq_len: the run's sequence length, 1 to ``cfg.max_seq_len`` (the trainer's limit too).
         activation_checkpointing: the trainer's ``parallel.activation_checkpointing``.
 
     Raises:
-        ValueError: one block of each kind would not fit in half of this machine's memory.
+        ValueError: a sequence length outside 1..max_seq_len, or counting would need more than half of this
+            machine's memory (:func:`counting_memory_bytes`) or failed to allocate.
     """
     from moetrain.parallel.dispatch import AllToAllDispatcher
+
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or not 1 <= seq_len <= cfg.max_seq_len:
+        raise ValueError(f"sequence length {seq_len!r} is outside 1..{cfg.max_seq_len} (model.max_seq_len); "
+                         f"moetrain train refuses such a run too -- use a shorter --seq or a model with a larger "
+                         f"max_seq_len")
 
     def rows(c: ModelConfig, batch: int) -> dict[str, list[float]]:
         return {k: r for k, *r in _count_cached(tuple(sorted(c.to_dict().items())), seq_len, batch)}
@@ -213,7 +232,7 @@ def count_code(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool = 
     balanced = cfg.replace(routing="balanced")
     lo, hi = rows(balanced, COUNT_BATCHES[0]), rows(balanced, COUNT_BATCHES[1])
     ops = rows(cfg, COUNT_BATCHES[0]) if cfg.routing != "balanced" else lo
-    L = min(seq_len, cfg.max_seq_len)
+    L = seq_len
     dB = COUNT_BATCHES[1] - COUNT_BATCHES[0]
     # bytes(B) = fixed + B * per_seq; softmax elements are all per token
     per_seq = {k: max(0.0, (hi[k][1] - lo[k][1]) / dB) for k in KINDS}

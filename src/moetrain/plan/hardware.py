@@ -55,6 +55,8 @@ class GPUSpec:
         softmax_gelem_s: measured log-softmax cross-entropy forward + backward rate, 1e9 logits per second (local
             bench entries only; None = the loss is memory-bound, as on GPUs).
         matmul_curve: measured (matrix size n, TFLOP/s) points of an n x n x n matmul (local bench entries only).
+        host_procs: processes the bench ran at once on one machine (local bench entries only): its rates hold for
+            a run of that many processes, each with ``hbm_gb`` (the machine's memory divided among them).
         source: where the numbers come from.
     """
 
@@ -73,6 +75,7 @@ class GPUSpec:
     fsdp_unit_gbps: float | None = None
     softmax_gelem_s: float | None = None
     matmul_curve: tuple[tuple[int, float], ...] = field(default=())
+    host_procs: int | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ class GPUSpec:
                 raise HardwareError(f"GPU {self.name!r}: {f}={v} must be >= 0")
         if self.fsdp_unit_gbps is not None and not self.fsdp_unit_gbps > 0:
             raise HardwareError(f"GPU {self.name!r}: fsdp_unit_gbps={self.fsdp_unit_gbps} must be > 0")
+        if self.host_procs is not None and (not isinstance(self.host_procs, int) or self.host_procs < 1):
+            raise HardwareError(f"GPU {self.name!r}: host_procs={self.host_procs!r} must be an integer >= 1")
         if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 1:
             raise HardwareError(f"GPU {self.name!r}: nvlink_domain={self.nvlink_domain!r} must be an integer >= 1")
 
@@ -275,7 +280,8 @@ def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name
 
     The measured large-matmul rate becomes ``peak_tflops['fp32']`` (and bf16 when measured), measured memory copy
     bandwidth becomes ``hbm_tbps``, the measured all-to-all bandwidth between local processes becomes both
-    ``nvlink_gbps`` and ``nic_gbps`` (one machine = one domain), and the measured latencies are kept.
+    ``nvlink_gbps`` and ``nic_gbps`` (one machine = one domain), and the measured latencies are kept. Each of the
+    bench's ``procs`` processes (``host_procs``) gets an equal share of the machine's memory as its ``hbm_gb``.
 
     Raises:
         HardwareError: no bench file (run ``moetrain bench`` first) or a malformed one.
@@ -303,9 +309,10 @@ def gpu_from_bench(bench: dict[str, Any] | str | os.PathLike | None = None, name
         a2a = bench["all_to_all"]
         a2a_bw = float(a2a["bandwidth_gbps"])
         fsdp = bench["fsdp_unit"]
+        procs = int(bench.get("procs", 2))
         spec = GPUSpec(
-            name=name, generation="cpu", peak_tflops=peaks,
-            hbm_gb=float(bench.get("memory_gb", 16.0)), hbm_tbps=float(bench["memory_bandwidth_gbps"]) / 1e3,
+            name=name, generation="cpu", peak_tflops=peaks, host_procs=procs,
+            hbm_gb=float(bench.get("memory_gb", 16.0)) / procs, hbm_tbps=float(bench["memory_bandwidth_gbps"]) / 1e3,
             nvlink_gbps=a2a_bw, nvlink_domain=1 << 20, nic_gbps=a2a_bw, sfu_texp=1e3,
             a2a_latency_us=float(a2a["latency_us"]), op_overhead_us=float(bench["op_overhead_us"]),
             fsdp_unit_latency_us=float(fsdp["latency_us"]), fsdp_unit_gbps=float(fsdp["bandwidth_gbps"]),

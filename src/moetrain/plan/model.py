@@ -46,6 +46,7 @@ from moetrain.plan.constants import (
     FP8_BYTES,
     REAL_ROUTING_SLOWDOWN,
     RESERVED_GIB,
+    RESERVED_GIB_CPU,
     ROUTING_SAMPLES,
     Efficiency,
     efficiency_for,
@@ -507,7 +508,7 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
                       + c.counts.mem_bytes_per_micro_batch.get(kind, 0.0) / c.mem_bw)
     if p.recompute == "full" and kind in ("d", "t", "m"):
         # forward again from the saved layer input; activations kept = the layer input only
-        cost.recompute_s = (cost.gemm_s + cost.grouped_s + cost.attn_s + cost.mem_s) / 3
+        cost.recompute_s = (cost.gemm_s + cost.grouped_s + cost.attn_s + cost.mem_s + _ops_overhead(c, kind)) / 3
         cost.act_bytes = c.n * 2 * s.dim
         cost.tp_s *= 1.5
     cost.overhead_s += _ops_overhead(c, kind)
@@ -894,7 +895,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
             fp8_weights=(pd + pe) * fp8_copy / GIB,
             gradients=(pd + pe) * shard_w * c.grad_bytes / GIB,
             optimizer=(pd / (plan.dp * plan.cp) + pe / plan.edp) * opt_shard / GIB,
-            activations=act / GIB, reserved=RESERVED_GIB, device=d))
+            activations=act / GIB, reserved=RESERVED_GIB_CPU if spec.generation == "cpu" else RESERVED_GIB,
+            device=d))
     mem = max(mems, key=lambda mb: mb.total)
 
     # data-parallel gradient reduce-scatter + parameter all-gather (hierarchical: NVLink inside, NIC across)
