@@ -41,8 +41,9 @@ SOFTMAX_OPS = frozenset({"_softmax", "_safe_softmax", "_log_softmax"})
 NO_DATA_OPS = frozenset({"detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_like", "empty_strided",
                          "new_empty", "new_empty_strided", "_to_copy_meta"})
 KINDS = ("E", "d", "t", "m", "L")
-#: Sequences per counted pass: two batch sizes separate per-token from per-micro-batch bytes. Not 1: PyTorch
-#: takes batch-1 shortcuts in places (e.g. squeezed batched GEMMs), which would skew the difference.
+#: Sequences per counted pass: two batch sizes separate per-token from per-micro-batch bytes. Not 1: on tiny the
+#: batch-1 pass moved less than the line through batches 2 and 4 predicts (batch-1 code paths differ in places),
+#: which put ~5% extra per-token bytes on the dense block and a negative intercept on it.
 COUNT_BATCHES = (2, 4)
 
 
@@ -75,8 +76,8 @@ def counting_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def counting_memory_bytes(cfg: ModelConfig, seq_len: int) -> float:
-    """A generous estimate of the peak memory of counting (bytes): fp32 weights, gradients and Adam-free slack of
-    the cut model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- eager attention's
+    """A generous estimate of the peak memory of counting (bytes): fp32 weights, gradients and slack of the cut
+    model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- eager attention's
     B x H x L x L scores (about six fp32 copies live in its backward), the logits (about four copies: logits,
     log-probabilities, their gradients), and ~200 model-width and the experts' vectors per token."""
     from moetrain.accounting import count_params
