@@ -116,7 +116,9 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
     tmp = root / f".tmp-step_{step:08d}"
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step_*"):
+        # leftovers of an interrupted save or rotation: a stale trash directory would also make the rename of an
+        # old checkpoint onto the same name fail ("directory not empty") after the new one is complete
+        for stale in [*root.glob(".tmp-step_*"), *root.glob(".trash-*")]:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(ctx)
     flat, _ = _flat_state(model, optimizer)
