@@ -35,9 +35,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    "config.json / directory (DeepSeek-V3/V2, or a GQA MoE such as Mixtral / Qwen-MoE); "
                    "default deepseek-v3-671b (--gpu local: the trainer's, tiny)")
     g.add_argument("--gpu", help="GPU type: h100, h800, h200, b200, b300, gb200, gb300, a --gpu-file entry, or "
-                   "'local' (this machine, from `moetrain bench`); default gb300")
-    g.add_argument("--gpus", type=int, help="number of GPUs (default 256; --gpu local: the bench's processes; "
-                   "--gpu local starts from `moetrain train`'s own run: fp32, FSDP2, its batch, sequence and EP)")
+                   "'local' (this machine, from `moetrain bench`; the plan then starts from `moetrain train`'s "
+                   "own run: fp32, FSDP2, its model, batch, sequence and EP); default gb300")
+    g.add_argument("--gpus", type=int, help="number of GPUs (default 256; --gpu local: the bench's processes)")
     g.add_argument("--gpu-file", action="append", default=[], help="TOML/JSON file of user GPU entries")
     g.add_argument("--bench-file", help="bench results for --gpu local (default .cache/moetrain/bench.json)")
     g.add_argument("--nic-gbit", type=float, help="what-if: override the NIC bandwidth per GPU (Gb/s)")
