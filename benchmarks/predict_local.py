@@ -79,9 +79,13 @@ def main() -> int:
     job = load_job_config(None, sets)
     world, ep = 2, job.parallel.ep if job.parallel.ep > 1 else 2
     t0 = time.perf_counter()
-    pred = predict_local_train(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum,
-                               world=world, ep=ep, bench_json=bench,
-                               activation_checkpointing=job.parallel.activation_checkpointing)
+    try:
+        pred = predict_local_train(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum,
+                                   world=world, ep=ep, bench_json=bench,
+                                   activation_checkpointing=job.parallel.activation_checkpointing)
+    except ValueError as e:  # PlanError / HardwareError: e.g. a bench of another process count
+        print(f"predict_local: {e}", file=sys.stderr)
+        return 2
     print(f"prediction: {pred.tokens_per_s_per_proc:,.0f} tok/s per process (step {pred.step_s * 1e3:.0f} ms; "
           f"computed in {time.perf_counter() - t0:.1f} s)")
 

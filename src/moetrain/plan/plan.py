@@ -333,7 +333,7 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
         # a bench's rates are those of its processes sharing the machine's cores, memory bandwidth and caches
         raise PlanError(f"the bench measured {gpu.host_procs} processes at once on this machine, and its rates hold "
                         f"for a run of {gpu.host_procs}; to predict {n_gpus}, rerun `moetrain bench --procs "
-                        f"{n_gpus}` (or plan --gpus {gpu.host_procs})")
+                        f"{n_gpus}` (or predict a run of {gpu.host_procs} processes)")
     for f in ("tp", "pp", "vpp", "ep", "cp", "micro_batch", "global_batch", "seq_len"):
         pos_int(f, getattr(plan, f))
     if plan.dp is not None:
