@@ -156,7 +156,8 @@ class _GroupedMM(torch.autograd.Function):
                 may_pad: bool = True) -> torch.Tensor:
         ctx.save_for_backward(x_SK, w_ENK, offs_E)
         ctx.may_pad = may_pad
-        return torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offs_E)
+        y_SN = torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offs_E)
+        return _zero_rows_from(y_SN, offs_E[-1]) if may_pad else y_SN
 
     @staticmethod
     def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
@@ -165,13 +166,19 @@ class _GroupedMM(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E)
-            if ctx.may_pad:  # the kernel leaves rows past offs[-1] unwritten, as in the forward: zero them
-                rows = torch.arange(grad_x.shape[0], device=grad_x.device)
-                grad_x = torch.where((rows < offs_E[-1]).unsqueeze(-1), grad_x, 0)
+            if ctx.may_pad:
+                grad_x = _zero_rows_from(grad_x, offs_E[-1])
         # Rows past offs[-1] and experts with no rows contribute nothing to grad_w; the kernel leaves empty groups'
         # gradient at zero.
         grad_w = torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
+
+
+def _zero_rows_from(t_SN: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """``t_SN`` with rows ``end..S`` zeroed: ``torch._grouped_mm`` leaves the rows past the last offset (capacity
+    padding) unwritten, in its output and in the data gradient alike. ``end`` stays on the device (no sync)."""
+    rows = torch.arange(t_SN.shape[0], device=t_SN.device)
+    return torch.where((rows < end).unsqueeze(-1), t_SN, 0)
 
 
 class _BatchedMM(torch.autograd.Function):
@@ -206,12 +213,9 @@ def grouped_mm(x_SK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert_E: tor
     n_rows = x_SK.shape[0]
     if use_grouped_mm and _grouped_mm_supported(x_SK, x_SK.shape[-1], w_ENK.shape[-2]):
         offs_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
-        may_pad = counts is None or sum(counts) != n_rows  # known on the host only when the counts are
-        y = _GroupedMM.apply(x_SK, w_ENK.to(x_SK.dtype), offs_E, may_pad)
-        if not may_pad:
-            return y  # no padding rows: nothing for the kernel to leave unwritten
-        # The kernel leaves rows past the last offset (capacity padding) unwritten: zero them.
-        return torch.where((torch.arange(n_rows, device=y.device) < offs_E[-1]).unsqueeze(-1), y, 0)
+        # padding rows (that the kernel leaves unwritten) are ruled out only when the counts are on the host
+        may_pad = counts is None or sum(counts) != n_rows
+        return _GroupedMM.apply(x_SK, w_ENK.to(x_SK.dtype), offs_E, may_pad)
     if counts is None:
         counts = tokens_per_expert_E.tolist()  # host sync: the loop needs python ints
     n_used = sum(counts)
