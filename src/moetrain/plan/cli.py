@@ -172,19 +172,6 @@ def _trainer_plan(shape: Any, n: int) -> Plan:
     return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 
-def _local_counts(shape: Any, gpu: Any, plan: Plan) -> Any:
-    """What moetrain's own code launches, for a plan on a measured machine; None where it does not apply (GPU
-    types, models that are not moetrain's MLA architecture)."""
-    if gpu.generation != "cpu" or shape.attention != "mla" or not hasattr(shape.config, "routing"):
-        return None
-    from dataclasses import replace as _replace
-
-    from moetrain.plan.counts import count_code
-    # counted on the plan's routing path (forced balance skips the top-k selection)
-    cfg = _replace(shape.config, routing="balanced" if plan.routing == "balanced" else "learned")
-    return count_code(cfg, plan.seq_len, plan.recompute == "full")
-
-
 def _emit_json(obj: Any, args: argparse.Namespace) -> None:
     from moetrain.plan.report import to_json
 
@@ -207,14 +194,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
             return _cmd_search(args, shape, gpu, n, plan)
-        max_len = getattr(shape.config, "max_seq_len", None)
-        if gpu.host_procs is not None and max_len is not None and plan.seq_len > max_len:
-            raise ValueError(f"--seq {plan.seq_len} exceeds the model's max_seq_len {max_len}; moetrain train "
-                             f"refuses that run too -- use a shorter --seq")
-        pred = predict(shape, gpu, n, plan)
-        counts = _local_counts(shape, gpu, plan) if pred.fits else None  # a plan that does not fit is not counted
-        if counts is not None:
-            pred = predict(shape, gpu, n, plan, counts=counts)
+        if gpu.generation == "cpu":
+            from moetrain.plan.local import predict_measured
+
+            pred = predict_measured(shape, gpu, n, plan)
+        else:
+            pred = predict(shape, gpu, n, plan)
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ differ a little and its calls are counted separately
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -61,11 +61,11 @@ class CodeCounts:
     """
 
     ops: dict[str, float]
-    mem_bytes_per_token: dict[str, float] = field(default_factory=dict)
-    mem_bytes_per_micro_batch: dict[str, float] = field(default_factory=dict)
-    softmax_per_token: dict[str, float] = field(default_factory=dict)
-    a2a_calls: float | None = None
-    seq_len: int = 0
+    mem_bytes_per_token: dict[str, float]
+    mem_bytes_per_micro_batch: dict[str, float]
+    softmax_per_token: dict[str, float]
+    a2a_calls: float
+    seq_len: int
 
 
 def counting_config(cfg: ModelConfig) -> ModelConfig:

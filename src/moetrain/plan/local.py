@@ -15,14 +15,15 @@ The same cost model as for GPU clusters (:func:`moetrain.plan.model.predict`) ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from moetrain.model.config import ModelConfig
 from moetrain.plan.counts import count_code
-from moetrain.plan.hardware import gpu_from_bench
+from moetrain.plan.hardware import GPUSpec, gpu_from_bench
 from moetrain.plan.model import Prediction, predict
 from moetrain.plan.plan import Plan
+from moetrain.plan.shape import load_shape
 
 
 @dataclass
@@ -54,6 +55,31 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
                 name="local moetrain train")
 
 
+def predict_measured(model: Any, gpu: GPUSpec, n_gpus: int, plan: Plan) -> Prediction:
+    """:func:`moetrain.plan.model.predict` on a measured (``moetrain bench``) machine: for moetrain's own model, what
+    its code launches is counted (:func:`moetrain.plan.counts.count_code`, on the plan's routing path and
+    recompute) and charged; other models get the formulas. A plan that does not fit is returned as the formulas
+    give it, before anything is counted (counting runs the model).
+
+    Raises:
+        ValueError: a sequence longer than the model's ``max_seq_len`` (``moetrain train`` refuses it too), or a
+            model too large to count here; PlanError / HardwareError as :func:`predict`.
+    """
+    shape = load_shape(model)
+    cfg = shape.config
+    own_code = gpu.generation == "cpu" and shape.attention == "mla" and hasattr(cfg, "routing")
+    max_len = getattr(cfg, "max_seq_len", None)
+    if gpu.generation == "cpu" and max_len is not None and plan.seq_len > max_len:
+        raise ValueError(f"sequence length {plan.seq_len} exceeds the model's max_seq_len {max_len}; "
+                         f"moetrain train refuses that run too -- use a shorter sequence (--seq)")
+    pred = predict(shape, gpu, n_gpus, plan)
+    if pred.fits and own_code:
+        # forced balance skips the router's top-k selection: count the path the plan's routing takes
+        cfg = replace(cfg, routing="balanced" if plan.routing == "balanced" else "learned")
+        pred = predict(shape, gpu, n_gpus, plan, counts=count_code(cfg, plan.seq_len, plan.recompute == "full"))
+    return pred
+
+
 def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accum: int, world: int = 2,
                         ep: int = 2, bench_json: Any = None, *, activation_checkpointing: bool = False,
                         precision: str = "fp32") -> LocalPrediction:
@@ -69,13 +95,11 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
 
     Raises:
         HardwareError: no bench results (run ``moetrain bench``).
-        ValueError: the run does not fit in this machine's memory.
+        ValueError: the run does not fit in this machine's memory, or see :func:`predict_measured`.
     """
     gpu = gpu_from_bench(bench_json)
     plan = local_plan(model_cfg, seq_len, micro_batch, grad_accum, world, ep, activation_checkpointing, precision)
-    pred = predict(model_cfg, gpu, world, plan)  # the formulas first: a run that cannot fit is not counted
-    if pred.fits:
-        pred = predict(model_cfg, gpu, world, plan, counts=count_code(model_cfg, seq_len, activation_checkpointing))
+    pred = predict_measured(model_cfg, gpu, world, plan)
     if not pred.fits:
         raise ValueError(f"the local run does not fit in memory: {pred.message}")
     tok = pred.tokens_per_s_per_gpu * world

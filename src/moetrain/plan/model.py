@@ -434,8 +434,7 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     if p.ep > 1:
         # + one metadata exchange (tokens per expert) before each forward dispatch; a system whose dispatcher makes
         # a known number of calls per layer (moetrain's own, for local runs) pays one latency per call instead
-        calls = c.counts.a2a_calls if c.counts is not None else None
-        extra = calls - len(passes) if calls is not None else (2 if p.recompute == "full" else 1)
+        extra = c.counts.a2a_calls - len(passes) if c.counts is not None else (2 if p.recompute == "full" else 1)
         cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * max(0.0, extra)
 
 
@@ -498,7 +497,7 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         _head_item(c, cost)
     else:  # pragma: no cover
         raise ValueError(kind)
-    if c.counts is not None and c.counts.mem_bytes_per_token:
+    if c.counts is not None:
         # moetrain's own code on a measured machine: its memory-bound work is counted, not estimated
         # (moetrain.plan.counts): every non-GEMM operator's bytes at the measured bandwidth, and the softmax
         # elements at the measured cross-entropy rate (the exponentials bound it on CPUs)
@@ -903,9 +902,9 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
     pd_slow = sum(costs[k].params_dense for s_idx in dev_stages[slow] for k in stages[s_idx])
     pe_slow = sum(costs[k].params_expert for s_idx in dev_stages[slow] for k in stages[s_idx])
 
-    rs = (dp_time(pd_slow, g_dense, plan.tp, c.grad_bytes) + dp_time(pe_slow, g_exp, plan.ep, c.grad_bytes))
-    if plan.fsdp and measured_fsdp:
-        rs = 0.0  # the measured FSDP2 unit cost includes its reduce-scatter
+    # (the measured FSDP2 unit cost includes its reduce-scatter)
+    rs = 0.0 if plan.fsdp and measured_fsdp else (dp_time(pd_slow, g_dense, plan.tp, c.grad_bytes)
+                                                 + dp_time(pe_slow, g_exp, plan.ep, c.grad_bytes))
     ag = 0.0 if plan.fsdp else (dp_time(pd_slow, g_dense, plan.tp, c.param_bytes)
                                 + dp_time(pe_slow, g_exp, plan.ep, c.param_bytes))
     if spec.generation == "cpu":
