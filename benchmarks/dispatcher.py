@@ -67,7 +67,6 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
     from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.dispatch import AllToAllDispatcher
     from moetrain.parallel.mesh import init_parallel
-    from moetrain.parallel import parallelize
     from peers import bench_config, copy_moe_weights, init_moe_reference
 
     torch.set_num_threads(1)
@@ -93,8 +92,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
                                                         CapacityConfig(), c["overlap"], c.get("dedup", True))
                 else:
                     moe.dispatcher = LocalDispatcher(cfg.n_routed_experts)
-                parallelize._keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset,
-                                                moe.dispatcher.n_local_experts)
+                _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
             moe.n_chunks = c["n_chunks"]
             runs.append({"label": label, "patches": pn, "cfg": c, "moe": moe, "times": []})
 
@@ -192,3 +190,10 @@ def run(s: Settings, patches: list[str], log=print) -> dict[str, Any]:
                 f"{row['a2a_s_per_step'] * 1e3:6.1f} ms, exposed {row['exposed_s_per_step'] * 1e3:6.1f} ms, "
                 f"{row.get('remote_rows_per_step', 0):7.0f} rows/step to the other rank")
     return r
+
+
+def _keep_local_experts(experts, offset: int, n_local: int) -> None:
+    """This EP rank's experts as plain parameters (no FSDP here, so no DTensor placement is needed)."""
+    import torch
+    for name, full in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, torch.nn.Parameter(full.detach()[offset:offset + n_local].clone()))

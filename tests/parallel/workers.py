@@ -108,13 +108,8 @@ def moe_layer_run(pcfg_kwargs: dict, tokens_per_rank: int = 24, routing_bias: fl
     for name, p in model.named_parameters():
         gr = p.grad
         if gr is not None:
+            # FSDP summed every gradient over its ranks; experts are (dp, ep)-sharded DTensors, gathered whole here
             gr = gr.full_tensor() if hasattr(gr, "full_tensor") else gr
-            if ".experts.w" in name and ctx.distributed and ctx.pcfg.ep > 1:
-                parts = [torch.empty_like(gr) for _ in range(ctx.pcfg.ep)]
-                dist.all_gather(parts, gr.contiguous(), group=ctx.ep_group)
-                gr = torch.cat(parts)
-            if ctx.distributed and ".experts.w" not in name:
-                pass  # FSDP already summed non-expert grads over all ranks
             grads[name.replace("layer.", "")] = gr.detach().clone()
     st = layer.dispatcher.stats
     return {"y": y.detach(), "x_grad": x.grad.detach(), "grads": grads, "counts": stats.tokens_per_expert_E,
@@ -214,14 +209,14 @@ def hang_in_dispatch_run() -> str:
 
     from moetrain.model.moe import MoE
     from moetrain.parallel.dispatch import AllToAllDispatcher
-    from moetrain.parallel.parallelize import _keep_local_experts
+    from moetrain.parallel.parallelize import place_experts
 
     cfg = tiny_test_config()
     ctx = init_parallel(ParallelConfig(ep=2, timeout_s=3), cfg.n_routed_experts)
     torch.manual_seed(0)
     layer = MoE(cfg)
     layer.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, 2, ctx.ep_rank, ctx.ep_group)
-    _keep_local_experts(layer.experts, layer.dispatcher.local_expert_offset, layer.dispatcher.n_local_experts)
+    place_experts(layer.experts, ctx)
     if ctx.rank == 1:
         time.sleep(8)
         return "slept"

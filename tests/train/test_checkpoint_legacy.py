@@ -1,11 +1,12 @@
-"""A checkpoint written before the gate and up projections were stacked (``w13_E2FD``) -- per-expert
-``...experts.w1_EFD.<e>`` and ``...experts.w3_EFD.<e>`` keys, for weights and AdamW moments -- resumes into today's
-model: weights, moments and step counts equal what was saved."""
+"""Checkpoints of earlier layouts resume into today's model (weights, moments and step counts equal what was saved):
+one entry per expert (``...experts.w13_E2FD.<e>``, before experts were saved as EP-sharded DTensors), and, older
+still, separate gate and up halves (``...experts.w1_EFD.<e>`` and ``...experts.w3_EFD.<e>``)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -17,23 +18,34 @@ from moetrain.train.optim import build_optimizer
 from moetrain.train.step import train_step
 
 
-def _legacy(flat: dict) -> dict:
-    """The flat state as the previous layout saved it: each stacked entry split into its w1 and w3 halves."""
+def _legacy(flat: dict, split_halves: bool) -> dict:
+    """The flat state as an earlier layout saved it: each expert tensor of dim > 0 as one entry per expert, and, with
+    ``split_halves``, every stacked w13 entry as its w1 and w3 halves."""
     out = {}
     for key, t in flat.items():
-        if ".w13_E2FD." not in key:
+        if ".experts.w" in key and t.dim() > 0:
+            for e in range(t.shape[0]):
+                out[f"{key}.{e}"] = t[e].clone()
+        else:
             out[key] = t
+    if not split_halves:
+        return out
+    halves = {}
+    for key, t in out.items():
+        if ".w13_E2FD" not in key:
+            halves[key] = t
             continue
-        k1, k3 = key.replace(".w13_E2FD.", ".w1_EFD."), key.replace(".w13_E2FD.", ".w3_EFD.")
+        k1, k3 = key.replace(".w13_E2FD", ".w1_EFD"), key.replace(".w13_E2FD", ".w3_EFD")
         if t.dim() == 0:
-            out[k1], out[k3] = t.clone(), t.clone()
+            halves[k1], halves[k3] = t.clone(), t.clone()
         else:
             half = t.shape[0] // 2
-            out[k1], out[k3] = t[:half].clone(), t[half:].clone()
-    return out
+            halves[k1], halves[k3] = t[:half].clone(), t[half:].clone()
+    return halves
 
 
-def test_legacy_expert_keys_load_into_stacked_parameter(tmp_path):
+@pytest.mark.parametrize("split_halves", [False, True], ids=["per-expert", "w1-w3-halves"])
+def test_legacy_expert_keys_load_into_stacked_parameter(tmp_path, split_halves):
     cfg = get_preset("tiny")
     ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
     src = build_model(cfg, seed=0)
@@ -42,8 +54,9 @@ def test_legacy_expert_keys_load_into_stacked_parameter(tmp_path):
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
     train_step(src, opt, [(tokens[:, :-1], tokens[:, 1:])], cfg, ctx)
     flat, _ = _flat_state(src, opt)
-    legacy = _legacy(flat)
-    assert any(".w1_EFD." in k for k in legacy) and not any(".w13_E2FD." in k for k in legacy)
+    legacy = _legacy(flat, split_halves)
+    assert any(".w1_EFD." in k for k in legacy) == split_halves
+    assert not any(k.endswith(".w13_E2FD") or k.endswith(".w2_EDF.exp_avg") for k in legacy)
     ckpt = tmp_path / "step_00000001"
     dcp.save(legacy, checkpoint_id=str(ckpt))
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "rng": torch.get_rng_state().tolist()}))

@@ -25,10 +25,11 @@ Released layout (REFERENCE.md section 7; one tensor per expert)::
 The loader also accepts the stacked in-memory layout of ``transformers`` v5 (``mlp.experts.gate_up_proj`` (E, 2F, D)
 and ``mlp.experts.down_proj`` (E, D, F)) and FP8 block-scaled weights (float8_e4m3fn + ``<name>_scale_inv``).
 
-Loading streams tensor by tensor (``safe_open``); under expert parallelism only the experts this rank holds are read
-(``mlp.dispatcher.local_expert_offset`` and the leading dim of the stacked expert parameters say which). Saving writes
-each shard from freshly gathered tensors, so peak extra memory is one shard, into a temporary directory that is
-renamed onto the target only when complete.
+Loading streams tensor by tensor (``safe_open``) and reads, of each tensor, only the box this process holds (its
+FSDP2 shard; under expert parallelism only its own experts), from the placement of the parameter itself. Saving
+writes one shard at a time into a temporary directory that is renamed onto the target only when complete, from a
+whole model (:func:`save_hf_checkpoint`) or from any source of tensors (:func:`write_hf_checkpoint`, which
+``moetrain export`` feeds from a DCP checkpoint).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -51,6 +52,7 @@ from torch import nn
 
 from moetrain.fsutil import fsync_path
 from moetrain.model.config import ConfigError, ModelConfig
+from moetrain.model.init import ShardBox
 from moetrain.model.moe import MoE
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
@@ -282,43 +284,57 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
 
 @dataclass
 class _Entry:
-    """One HF tensor name and where it lives in the model.
+    """One HF tensor and the region of one model tensor it fills.
 
-    tensor: the destination parameter/buffer; index: expert slot within a stacked tensor (None = whole tensor);
-    local: this rank holds it (False for other ranks' experts); copy: a duplicate of another tensor (MTP's copies of
+    tensor: the destination parameter/buffer (plain, DTensor or meta; its *global* shape is what counts);
+    expert: the global expert index within a stacked expert tensor (None = the whole tensor); row_offset: first row
+    of that expert's slab (F for the up projection inside w13); copy: a duplicate of another tensor (MTP's copies of
     the embedding and head, a tied head) -- written on save, only shape-checked on load."""
 
     hf_name: str
     name: str
     tensor: torch.Tensor
-    index: int | None = None
-    local: bool = True
+    expert: int | None = None
+    row_offset: int = 0
+    rows: int | None = None
     copy: bool = False
+    n_experts: int | None = None  # a stacked expert tensor: E of the config (the local tensor may hold fewer)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape[1:] if self.index is not None else self.tensor.shape)
+        """The HF tensor's shape."""
+        g = tuple(self.tensor.shape)
+        if self.expert is None:
+            return (self.n_experts, *g[1:]) if self.n_experts else g
+        return (self.rows if self.rows is not None else g[1], *g[2:])
+
+    def region(self) -> tuple[int, ...]:
+        """Offsets of the HF tensor inside the global model tensor (leading expert index included)."""
+        if self.expert is None:
+            return (0,) * self.tensor.dim()
+        return (self.expert, self.row_offset) + (0,) * (self.tensor.dim() - 2)
 
     def view(self) -> torch.Tensor:
-        return self.tensor[self.index] if self.index is not None else self.tensor
+        """The region in a plain (unsharded) tensor."""
+        if self.expert is None:
+            return self.tensor
+        return self.tensor[self.expert, self.row_offset:self.row_offset + self.shape[0]]
 
 
 @dataclass
 class _Packed:
-    """A stacked expert tensor of the transformers-v5 in-memory layout (all E experts of one layer)."""
+    """A stacked expert tensor of the transformers-v5 in-memory layout (all E experts of one layer): gate_up_proj
+    (E, 2F, D) is exactly ``w13_E2FD``, down_proj (E, D, F) exactly ``w2_EDF``."""
 
     hf_name: str
-    experts: nn.Module
-    offset: int
+    entry: _Entry
     covers: list[str]  # the per-expert names it stands for
 
 
 _SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-_EXPERT = (("w1_EFD", "gate_proj"), ("w3_EFD", "up_proj"), ("w2_EDF", "down_proj"))
 
 
-def _block_entries(block: nn.Module, hf: str, ours: str, n_experts: int
-                   ) -> tuple[list[_Entry], list[_Packed]]:
+def _block_entries(block: nn.Module, hf: str, ours: str, E: int) -> tuple[list[_Entry], list[_Packed]]:
     entries = [_Entry(hf + f"{n}.weight", ours + f"{n}.weight", getattr(block, n).weight)
                for n in ("input_layernorm", "post_attention_layernorm")]
     for pname, p in block.self_attn.named_parameters():
@@ -336,33 +352,28 @@ def _block_entries(block: nn.Module, hf: str, ours: str, n_experts: int
         for a, b in _SWIGLU:
             entries.append(_Entry(hf + f"mlp.shared_experts.{b}.weight", ours + f"mlp.shared_experts.{a}.weight",
                                   getattr(mlp.shared_experts, a).weight))
-    n_local = mlp.experts.w1_EFD.shape[0]
-    offset = int(getattr(mlp.dispatcher, "local_expert_offset", 0) or 0)
-    if offset < 0 or offset + n_local > n_experts:
-        raise CheckpointError(f"{ours}mlp.experts holds {n_local} experts from offset {offset}, outside the "
-                              f"{n_experts} experts of the config")
-    covers = []
-    for e in range(n_experts):
-        local = offset <= e < offset + n_local
-        for a, b in _EXPERT:
-            t = getattr(mlp.experts, a)
-            hf_name = hf + f"mlp.experts.{e}.{b}.weight"
-            covers.append(hf_name)
-            entries.append(_Entry(hf_name, ours + f"mlp.experts.{a}[{e}]", t, index=e - offset if local else 0,
-                                  local=local))
-    packed.append(_Packed(hf + "mlp.experts.gate_up_proj", mlp.experts, offset, covers))
-    packed.append(_Packed(hf + "mlp.experts.down_proj", mlp.experts, offset, covers))
+    w13, w2 = mlp.experts.w13_E2FD, mlp.experts.w2_EDF
+    F = w13.shape[1] // 2
+    gate_up, down = [], []
+    for e in range(E):
+        x = hf + f"mlp.experts.{e}."
+        gate_up += [_Entry(x + "gate_proj.weight", ours + "mlp.experts.w13_E2FD", w13, e, 0, F),
+                    _Entry(x + "up_proj.weight", ours + "mlp.experts.w13_E2FD", w13, e, F, F)]
+        down.append(_Entry(x + "down_proj.weight", ours + "mlp.experts.w2_EDF", w2, e))
+    entries += [t for e in range(E) for t in (gate_up[2 * e], gate_up[2 * e + 1], down[e])]
+    for name, ours_name, t, covered in (("gate_up_proj", "w13_E2FD", w13, gate_up), ("down_proj", "w2_EDF", w2, down)):
+        whole = _Entry(hf + "mlp.experts." + name, ours + "mlp.experts." + ours_name, t, n_experts=E)
+        packed.append(_Packed(whole.hf_name, whole, [c.hf_name for c in covered]))
     return entries, packed
 
 
 def _entries(model: nn.Module) -> tuple[list[_Entry], list[_Packed]]:
     """Every HF tensor of ``model`` in checkpoint order, plus the stacked-layout alternatives."""
     cfg: ModelConfig = model.cfg
-    E = cfg.n_routed_experts
     out = [_Entry("model.embed_tokens.weight", "embed_tokens.weight", model.embed_tokens.weight)]
     packed: list[_Packed] = []
     for i, block in enumerate(model.layers):
-        e, p = _block_entries(block, f"model.layers.{i}.", f"layers.{i}.", E)
+        e, p = _block_entries(block, f"model.layers.{i}.", f"layers.{i}.", cfg.n_routed_experts)
         out += e
         packed += p
     out.append(_Entry("model.norm.weight", "norm.weight", model.norm.weight))
@@ -372,12 +383,36 @@ def _entries(model: nn.Module) -> tuple[list[_Entry], list[_Packed]]:
         out.append(_Entry(hf + "embed_tokens.weight", "embed_tokens.weight", model.embed_tokens.weight, copy=True))
         for n in ("enorm", "hnorm", "eh_proj"):
             out.append(_Entry(hf + f"{n}.weight", ours + f"{n}.weight", getattr(mtp, n).weight))
-        e, p = _block_entries(mtp.block, hf, ours + "block.", E)
+        e, p = _block_entries(mtp.block, hf, ours + "block.", cfg.n_routed_experts)
         out += e
         packed += p
         out.append(_Entry(hf + "shared_head.norm.weight", ours + "norm.weight", mtp.norm.weight))
         out.append(_Entry(hf + "shared_head.head.weight", "lm_head.weight", model.lm_head.weight, copy=True))
     return out, packed
+
+
+def _overlap(entry: _Entry, box: tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]
+             ) -> tuple[tuple[slice, ...], torch.Tensor] | None:
+    """Where ``entry``'s HF tensor meets this rank's box of its model tensor: (slices into the HF tensor, the
+    matching view of the local tensor), or None when this rank holds none of it."""
+    _, offsets, local = box
+    region = entry.region()
+    lead = 1 if entry.expert is not None else 0
+    if lead:
+        i = entry.expert - offsets[0]
+        if not 0 <= i < local.shape[0]:
+            return None
+        local = local[i]
+    hf_sl, loc_sl = [], []
+    for d, n in enumerate(entry.shape):
+        lo, hi = region[lead + d], region[lead + d] + n
+        b0, b1 = offsets[lead + d], offsets[lead + d] + local.shape[d]
+        a, b = max(lo, b0), min(hi, b1)
+        if a >= b:
+            return None
+        hf_sl.append(slice(a - lo, b - lo))
+        loc_sl.append(slice(a - b0, b - b0))
+    return tuple(hf_sl), local[tuple(loc_sl)]
 
 
 def hf_tensor_names(model: nn.Module) -> list[str]:
@@ -462,31 +497,40 @@ def _shape_error(hf_name: str, ours: str, got, want) -> CheckpointError:
 
 
 @torch.no_grad()
-def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True) -> LoadResult:
-    """Copy a HF-layout safetensors checkpoint into ``model`` in place, streaming one tensor at a time.
+def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True,
+                       shard_box: ShardBox | None = None) -> LoadResult:
+    """Copy a HF-layout safetensors checkpoint into ``model`` in place, streaming one tensor at a time and reading
+    only the part of each tensor that this process holds.
 
     Args:
-        model: a :class:`~moetrain.model.Transformer` on any (non-meta) device; under expert parallelism each MoE
-            layer's ``experts`` holds El experts starting at ``mlp.dispatcher.local_expert_offset`` and only those
-            are read.
+        model: a :class:`~moetrain.model.Transformer` on any (non-meta) device, whole or parallelized (FSDP2 shards,
+            experts sharded over EP: each rank reads exactly its boxes, so no rank ever holds more than its shard
+            plus one HF tensor's slice).
         path: a checkpoint directory (``model.safetensors`` or ``model.safetensors.index.json`` with its shards),
             or a single ``.safetensors`` file.
         strict: raise when the checkpoint lacks tensors the model needs or has tensors the model lacks.
+        shard_box: where each model tensor's local part sits in its global tensor (default: DTensor placements;
+            plain tensors are whole).
 
-    FP8 (float8_e4m3fn) weights with a ``<name>_scale_inv`` are dequantised per 128x128 block. Shape mismatches
-    always raise. Returns a :class:`LoadResult`.
+    FP8 (float8_e4m3fn) weights with a ``<name>_scale_inv`` are dequantised per 128x128 block (the whole HF tensor is
+    read for that). Shape mismatches always raise, before anything is copied from that tensor. Returns a
+    :class:`LoadResult`.
 
     Raises:
         CheckpointError: missing/unexpected tensors (strict), a shape mismatch, an FP8 weight without its scale.
     """
+    if shard_box is None:
+        from moetrain.parallel.parallelize import shard_box
     path = Path(path)
     files, weight_map = _checkpoint_files(path)
     entries, packed = _entries(model)
+    boxes = {id(e.tensor): shard_box(e.tensor) for e in entries}
+    for e in entries:
+        if not e.copy and boxes[id(e.tensor)][2].is_meta:
+            raise CheckpointError(f"{e.name} is on the meta device; materialise the model (to_empty) before loading")
+    _check_expert_boxes(entries, boxes)
     by_name = {e.hf_name: e for e in entries}
     packed_by_name = {p.hf_name: p for p in packed}
-    for e in entries:
-        if e.local and not e.copy and e.tensor.is_meta:
-            raise CheckpointError(f"{e.name} is on the meta device; materialise the model (to_empty) before loading")
     seen: set[str] = set()
     res = LoadResult(files=[str(f) for f in files])
 
@@ -500,11 +544,19 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
                 return g.get_tensor(scale_key)
         raise CheckpointError(f"FP8 tensor {key!r} has no {scale_key!r} in the checkpoint")
 
-    def read(f, fpath: Path, key: str) -> torch.Tensor:
-        t = f.get_tensor(key)
-        if t.dtype in _FP8_DTYPES:
-            t = dequantize_fp8_blockwise(t, read_scale(f, fpath, key))
-        return t
+    def load(f, fpath: Path, key: str, entry: _Entry) -> bool:
+        """Copy this rank's part of HF tensor ``key`` into ``entry``'s tensor; False if it holds none of it."""
+        hit = _overlap(entry, boxes[id(entry.tensor)])
+        if hit is None:
+            return False
+        hf_sl, dst = hit
+        sl = f.get_slice(key)
+        if sl.get_dtype() in _FP8_ST_DTYPES:
+            t = dequantize_fp8_blockwise(f.get_tensor(key), read_scale(f, fpath, key))[hf_sl]
+        else:
+            t = sl[hf_sl]
+        dst.copy_(t)
+        return True
 
     for fpath in files:
         with safe_open(str(fpath), framework="pt", device="cpu") as f:
@@ -515,25 +567,34 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
                 if weight_map and weight_map.get(key, fpath) != fpath:
                     continue  # the index assigns it to another shard; read it there
                 entry = by_name.get(key)
-                if entry is None and key in packed_by_name:
-                    _load_packed(f, fpath, key, packed_by_name[key], seen, res, read_scale)
-                    continue
+                pk = packed_by_name.get(key) if entry is None else None
+                if pk is not None:
+                    entry = pk.entry
                 if entry is None:
                     res.unexpected.append(key)
                     continue
                 shape = tuple(f.get_slice(key).get_shape())
                 if shape != entry.shape:
                     raise _shape_error(key, entry.name, shape, entry.shape)
+                if pk is not None:
+                    if f.get_slice(key).get_dtype() in _FP8_ST_DTYPES:
+                        raise CheckpointError(f"FP8 stacked expert tensor {key!r} is not supported")
+                    seen.update(pk.covers)
+                    per_expert = len(pk.covers) // shape[0]
+                    n_local = boxes[id(entry.tensor)][2].shape[0] if load(f, fpath, key, entry) else 0
+                    res.loaded += per_expert * n_local
+                    res.skipped_nonlocal += per_expert * (shape[0] - n_local)
+                    continue
                 seen.add(key)
                 if entry.copy:
                     continue
-                if not entry.local:
+                if load(f, fpath, key, entry):
+                    res.loaded += 1
+                else:
                     res.skipped_nonlocal += 1
-                    continue
-                entry.view().copy_(read(f, fpath, key))
-                res.loaded += 1
 
-    res.missing = [e.hf_name for e in entries if e.local and not e.copy and e.hf_name not in seen]
+    res.missing = [e.hf_name for e in entries if not e.copy and e.hf_name not in seen
+                   and _overlap(e, boxes[id(e.tensor)]) is not None]
     if strict and (res.missing or res.unexpected):
         parts = []
         if res.missing:
@@ -547,31 +608,15 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
     return res
 
 
-def _load_packed(f, fpath: Path, key: str, p: _Packed, seen: set[str], res: LoadResult, read_scale) -> None:
-    """Load a v5 stacked expert tensor: gate_up_proj (E, 2F, D) or down_proj (E, D, F); only the local slice."""
-    ex = p.experts
-    El, F, D = ex.w1_EFD.shape
-    E = len(p.covers) // 3
-    shape = tuple(f.get_slice(key).get_shape())
-    gate_up = key.endswith("gate_up_proj")
-    want = (E, 2 * F, D) if gate_up else (E, D, F)
-    ours = "experts.w1_EFD/w3_EFD" if gate_up else "experts.w2_EDF"
-    if shape != want:
-        raise _shape_error(key, ours, shape, want)
-    if f.get_slice(key).get_dtype() in _FP8_ST_DTYPES:
-        raise CheckpointError(f"FP8 stacked expert tensor {key!r} is not supported")
-    t = f.get_slice(key)[p.offset:p.offset + El]
-    if gate_up:
-        ex.w1_EFD.copy_(t[:, :F])
-        ex.w3_EFD.copy_(t[:, F:])
-        suffixes = ("gate_proj.weight", "up_proj.weight")
-    else:
-        ex.w2_EDF.copy_(t)
-        suffixes = ("down_proj.weight",)
-    names = [n for n in p.covers if n.endswith(suffixes)]
-    seen.update(names)
-    res.loaded += El * len(suffixes)
-    res.skipped_nonlocal += (E - El) * len(suffixes)
+def _check_expert_boxes(entries: list[_Entry], boxes: dict[int, Any]) -> None:
+    """A local expert slice must sit inside the config's experts (a layout bug, not a checkpoint problem)."""
+    for e in entries:
+        if e.expert != 0:
+            continue
+        g, off, local = boxes[id(e.tensor)]
+        if off[0] < 0 or off[0] + local.shape[0] > g[0]:
+            raise CheckpointError(f"{e.name} holds {local.shape[0]} experts from offset {off[0]}, outside the "
+                                  f"{g[0]} experts of the config")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -606,37 +651,73 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, max_shard_byte
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
-        CheckpointError: the model holds only a slice of the experts.
+        CheckpointError: the model is sharded (use ``moetrain export``) or on meta.
+    """
+    entries, _ = _entries(model)
+    for e in entries:
+        if hasattr(e.tensor, "to_local") or e.tensor.is_meta:
+            raise CheckpointError(f"{e.name} is sharded or on meta; save_hf_checkpoint needs a whole model on one "
+                                  "process (export a distributed run's checkpoint with `moetrain export`)")
+    specs = hf_specs(model, dtype)
+    by_name = {e.hf_name: e for e in entries}
+
+    def fetch(shard: list[HFSpec]) -> dict[str, torch.Tensor]:
+        return {s.hf_name: _materialise(by_name[s.hf_name].view(), s.dtype) for s in shard}
+
+    saved_dtype = dtype or model.embed_tokens.weight.dtype
+    return write_hf_checkpoint(model.cfg, specs, fetch, path, max_shard_bytes, saved_dtype, overwrite)
+
+
+@dataclass
+class HFSpec:
+    """One tensor of a HF checkpoint to write: its name, shape and stored dtype, and where its values come from (the
+    model tensor ``name`` at ``region`` offsets of its global tensor)."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    name: str
+    region: tuple[int, ...]
+
+
+def hf_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[HFSpec]:
+    """The tensors a HF checkpoint of ``model`` holds, in checkpoint order (the model may be on meta: only names,
+    global shapes and dtypes are used). ``dtype`` casts floating tensors; the router bias stays fp32."""
+    specs = []
+    for e in _entries(model)[0]:
+        if e.copy and e.hf_name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue
+        src = e.tensor.dtype
+        t_dtype = torch.float32 if e.hf_name.endswith("e_score_correction_bias") else dtype
+        out = t_dtype if (t_dtype is not None and src.is_floating_point) else src
+        specs.append(HFSpec(e.hf_name, e.shape, out, e.name, e.region()))
+    return specs
+
+
+def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
+                        fetch: Callable[[list[HFSpec]], dict[str, torch.Tensor]], path: str | os.PathLike,
+                        max_shard_bytes: float = 5e9, saved_dtype: torch.dtype = torch.float32,
+                        overwrite: bool = False, extra_files: dict[str, Path] | None = None) -> Path:
+    """Write shards ``model-0000i-of-0000N.safetensors`` (each from one ``fetch(specs of that shard)`` call, so at
+    most one shard's tensors are in memory), the index and ``config.json``, into a temporary sibling directory that
+    is renamed onto ``path`` only when complete. ``extra_files`` (name -> source path, e.g. the tokenizer) are
+    copied in too.
+
+    Raises:
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
     """
     target = Path(path)
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
-    entries, _ = _entries(model)
-    tied = model.cfg.tie_embeddings
-    items = []
-    for e in entries:
-        if not e.local:
-            raise CheckpointError(f"{e.name} is held by another expert-parallel rank; save_hf_checkpoint needs a "
-                                  "model with all experts")
-        if e.copy and e.hf_name == "lm_head.weight" and tied:
-            continue
-        t_dtype = torch.float32 if e.hf_name.endswith("e_score_correction_bias") else dtype
-        items.append((e, t_dtype))
-
-    def nbytes(e: _Entry, t_dtype: torch.dtype | None) -> int:
-        v = e.view()
-        dt = t_dtype if (t_dtype is not None and v.is_floating_point()) else v.dtype
-        return v.numel() * dt.itemsize
-
-    shards: list[list[tuple[_Entry, torch.dtype | None]]] = [[]]
+    shards: list[list[HFSpec]] = [[]]
     size = 0
     total = 0
-    for e, t_dtype in items:
-        n = nbytes(e, t_dtype)
+    for sp in specs:
+        n = math.prod(sp.shape) * sp.dtype.itemsize
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((e, t_dtype))
+        shards[-1].append(sp)
         size += n
         total += n
     N = len(shards)
@@ -649,17 +730,19 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, max_shard_byte
         os.chmod(tmp, 0o755)
         weight_map: dict[str, str] = {}
         for fname, shard in zip(names, shards):
-            tensors = {e.hf_name: _materialise(e.view(), t_dtype) for e, t_dtype in shard}
+            tensors = fetch(shard)
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             fsync_path(tmp / fname)
-            weight_map.update({k: fname for k in tensors})
+            weight_map.update({sp.hf_name: fname for sp in shard})
             del tensors
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(tmp / INDEX_NAME, index)
-        hf_cfg = config_to_hf(model.cfg)
-        saved_dtype = dtype or model.embed_tokens.weight.dtype
+        hf_cfg = config_to_hf(cfg)
         hf_cfg["dtype"] = str(saved_dtype).removeprefix("torch.")
         _write_json(tmp / CONFIG_NAME, hf_cfg)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
+            fsync_path(tmp / name)
         if target.exists():
             old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
             target.rename(old)
@@ -687,8 +770,7 @@ def _write_json(p: Path, obj: Any) -> None:
 
 
 def iter_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) pairs of ``model`` one at a time, in checkpoint order (for custom writers)."""
-    for e in _entries(model)[0]:
-        if e.copy and e.hf_name == "lm_head.weight" and model.cfg.tie_embeddings:
-            continue
-        yield e.hf_name, _materialise(e.view(), dtype)
+    """(HF name, CPU tensor) pairs of a whole single-process ``model`` one at a time, in checkpoint order."""
+    by_name = {e.hf_name: e for e in _entries(model)[0]}
+    for sp in hf_specs(model, dtype):
+        yield sp.hf_name, _materialise(by_name[sp.hf_name].view(), sp.dtype)

@@ -263,7 +263,8 @@ class GroupedExperts(nn.Module):
     ``w13_E2FD`` (writes through them land in the parameter). One GEMM of width 2F instead of two of width F halves
     the per-expert calls of the gate/up projection, forward and backward: 10-20% of a CPU training step of the
     ``small`` preset, where skewed early routing leaves many small per-expert GEMMs (BENCHMARKS.md).
-    Under expert parallelism ``parallelize`` keeps only this rank's slice of El = E/EP experts.
+    Under expert parallelism ``parallelize`` makes both parameters DTensors of global shape (E, ...) sharded on the
+    expert dim over the EP mesh; this rank stores (and computes with) its El = E/EP experts.
 
     Kernels: ``torch._grouped_mm`` (CUDA sm90+, CPU). On CPU, when the groups are within ``PADDED_BMM_MAX_PAD``
     of equal size, the rows are placed once in equal (E, C) slots and the SwiGLU runs as batched GEMMs
@@ -297,6 +298,7 @@ class GroupedExperts(nn.Module):
         dtype = _compute_dtype(x_SD)
         x_SD = x_SD.to(dtype)
         S, D = x_SD.shape
+        w13_E2FD, w2_EDF = _local(self.w13_E2FD), _local(self.w2_EDF)
         cpu = x_SD.device.type == "cpu"
         fast = self.use_grouped_mm and _grouped_mm_supported(x_SD, 2 * self.hidden_dim, D, self.hidden_dim)
         # Counts on the host: free on CPU; on CUDA only the loop path pays the sync.
@@ -304,21 +306,29 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm and cpu:
             slots = padded_slots(counts, S)
             if slots is not None:
-                return self._forward_padded(x_SD, *slots, dtype)
-        h13_S2F = grouped_mm(x_SD, self.w13_E2FD, tokens_per_expert_E, counts, self.use_grouped_mm)
-        return grouped_mm(_swiglu(h13_S2F), self.w2_EDF, tokens_per_expert_E, counts, self.use_grouped_mm)
+                return self._forward_padded(x_SD, w13_E2FD, w2_EDF, *slots, dtype)
+        h13_S2F = grouped_mm(x_SD, w13_E2FD, tokens_per_expert_E, counts, self.use_grouped_mm)
+        return grouped_mm(_swiglu(h13_S2F), w2_EDF, tokens_per_expert_E, counts, self.use_grouped_mm)
 
-    def _forward_padded(self, x_SD: torch.Tensor, C: int, slot_S: torch.Tensor | None,
-                        dtype: torch.dtype) -> torch.Tensor:
-        E, D = self.w13_E2FD.shape[0], x_SD.shape[1]
+    @staticmethod
+    def _forward_padded(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, C: int,
+                        slot_S: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        E, D = w13_E2FD.shape[0], x_SD.shape[1]
         if slot_S is None:
             x_ECD = x_SD.view(E, C, D)
         else:
             # Padding slots stay zero; their outputs are never read back.
             x_ECD = x_SD.new_zeros(E * C, D).index_copy(0, slot_S, x_SD).view(E, C, D)
-        h_ECF = _swiglu(_BatchedMM.apply(x_ECD, self.w13_E2FD.to(dtype)))
-        y_SD = _BatchedMM.apply(h_ECF, self.w2_EDF.to(dtype)).reshape(E * C, D)
+        h_ECF = _swiglu(_BatchedMM.apply(x_ECD, w13_E2FD.to(dtype)))
+        y_SD = _BatchedMM.apply(h_ECF, w2_EDF.to(dtype)).reshape(E * C, D)
         return y_SD if slot_S is None else y_SD.index_select(0, slot_S)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This process's experts of a weight: under expert parallelism the parameter is a DTensor sharded on the expert
+    dim over the EP mesh (its local part is the El experts the dispatcher feeds), else a plain tensor. Duck-typed so
+    that model code needs no torch.distributed import."""
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 def _swiglu(h13_X2F: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import nn
 
 from moetrain.model.attention import MLA
 from moetrain.model.config import ModelConfig
+from moetrain.model.init import ShardBox, full_box, normal_box_
 from moetrain.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moetrain.model.moe import MoE, MoEStats
 
@@ -214,36 +215,41 @@ class Transformer(nn.Module):
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, std: float | None = None) -> None:
+def init_weights(model: Transformer, std: float | None = None, seed: int = 0,
+                 shard_box: ShardBox = full_box) -> None:
     """Initialise as published: every weight matrix (embedding, projections, router, experts) ~ N(0, std) with
     std = cfg.init_std (0.006 for DeepSeek-V3, report sec. 4.2); norms to one; expert biases to zero. No depth
-    scaling of output projections: the report gives a single std and says nothing more, so none is applied."""
+    scaling of output projections: the report gives a single std and says nothing more, so none is applied.
+
+    Values depend only on (seed, parameter name, position in the global tensor) (:mod:`moetrain.model.init`), so a
+    sharded model initialised shard by shard holds exactly the single-process weights. ``shard_box`` says where each
+    (possibly sharded) tensor's local part sits; the default is the whole tensor (single process).
+
+    Raises:
+        ValueError: a 1-D parameter that is not a norm weight (its init would be unspecified).
+    """
     std = model.cfg.init_std if std is None else std
-    for mod in model.modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(mod.weight, 0.0, std)
-        elif isinstance(mod, RMSNorm):
-            mod.reset_parameters()
-    for moe in model.moe_layers():
-        nn.init.normal_(moe.gate.weight, 0.0, std)
-        moe.gate.expert_bias.zero_()
-        # Drawn as three contiguous tensors in w1, w2, w3 order: the same numbers for every expert storage layout.
-        for p in (moe.experts.w1_EFD, moe.experts.w2_EDF, moe.experts.w3_EFD):
-            if p.is_contiguous():
-                nn.init.normal_(p, 0.0, std)
-            else:
-                p.copy_(nn.init.normal_(torch.empty_like(p, memory_format=torch.contiguous_format), 0.0, std))
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, p in model.named_parameters():
+        shape, offsets, local = shard_box(p)
+        if id(p) in norms:
+            local.fill_(1.0)
+        elif p.dim() >= 2:
+            normal_box_(local, shape, offsets, name, seed, std)
+        else:
+            raise ValueError(f"no initialisation rule for the {p.dim()}-D parameter {name}")
+    for name, b in model.named_buffers():
+        shard_box(b)[2].zero_()  # the expert biases (auxiliary-loss-free balancing starts unbiased)
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None, seed: int | None = 0) -> Transformer:
-    """Build and initialise a model. On ``device="meta"`` nothing is allocated (used for counting).
+    """Build and initialise a model on one device. On ``device="meta"`` nothing is allocated: the model is then
+    parallelized and materialised shard by shard (``moetrain.parallel.parallelize.materialize``).
 
-    The init uses ``torch.manual_seed(seed)`` when seed is not None, so every rank of a distributed run builds
-    identical weights (parallelize then keeps each rank's slice)."""
+    ``seed`` feeds the name-seeded init (:func:`init_weights`), so the weights are the same for any layout; None
+    leaves the parameters uninitialised (``torch.empty``)."""
     with torch.device(device or "cpu"):
         model = Transformer(cfg)
-    if str(device) != "meta":
-        if seed is not None:
-            torch.manual_seed(seed)
-        init_weights(model)
+    if str(device) != "meta" and seed is not None:
+        init_weights(model, seed=seed)
     return model

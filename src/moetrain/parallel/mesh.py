@@ -1,16 +1,20 @@
-"""Process groups at a glance.
+"""Process groups at a glance: one N-D device mesh, built once from the parallel config.
 
-World of W = DP x EP ranks, laid out EP-fastest so an EP group is a run of consecutive ranks (one node's NVLink
+World of W = PP x DP x EP ranks, laid out EP-fastest so an EP group is a run of consecutive ranks (one node's NVLink
 domain on a GPU cluster)::
 
-    rank = dp_idx * EP + ep_idx
+    rank = (pp_idx * DP + dp_idx) * EP + ep_idx
 
-    mesh "ep_mesh" (dp, ep)      e.g. W=4, DP=2, EP=2:   [[0, 1],
-                                                          [2, 3]]
-    ep group      = a row     (ranks that exchange tokens in the all-to-all; each holds E/EP experts)
-    dp group      = a column  (ranks holding the same experts: expert weights are FSDP-sharded over it)
-    "world_mesh"  = all ranks (every non-expert weight is FSDP-sharded over it; every rank reads different data)
+    mesh (pp, dp, ep)        e.g. W=4, PP=1, DP=2, EP=2:   [[[0, 1],
+                                                            [2, 3]]]
+    "ep"     a row     ranks that exchange tokens in the all-to-all; each holds E/EP experts
+    "dp"     a column  ranks holding the same experts: expert weights are FSDP-sharded over it
+    "dp_ep"  dp x ep flattened: all ranks of a pipeline stage; every non-expert weight is FSDP-sharded over it and
+             every rank reads different data
+    "pp"     pipeline stages (size 1 until the trainer pipelines; room is kept for tp/cp in the same way)
 
+Every group of every dimension carries ``parallel.timeout_s`` (``backend_override`` options): torch would otherwise
+give sub-groups its global default (30 minutes) while only the world group had the configured timeout.
 gloo on CPU, NCCL on CUDA, picked automatically. Without torchrun (no RANK in the environment) everything runs as a
 single process with no process group.
 """
@@ -30,22 +34,51 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetrain.parallel.config import ParallelConfig
 
+MESH_DIMS = ("pp", "dp", "ep")
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which routed experts this rank holds: a property of the layout (EP size and this rank's EP index).
+
+    Expert e lives on EP rank e // (E / EP); rank r holds experts [r * El, (r + 1) * El), El = E / EP.
+    """
+
+    n_experts: int
+    ep: int
+    ep_rank: int
+
+    @property
+    def n_local(self) -> int:
+        return self.n_experts // self.ep
+
+    @property
+    def offset(self) -> int:
+        return self.ep_rank * self.n_local
+
+    def local_range(self) -> range:
+        return range(self.offset, self.offset + self.n_local)
+
 
 @dataclass
 class ParallelContext:
-    """Everything that knows about ranks. ``world_mesh``/``ep_mesh`` are None in a single process."""
+    """Everything that knows about ranks. ``mesh`` is None in a single process.
+
+    Sub-meshes (each a DeviceMesh of the one root mesh, so FSDP2 can compose them with the experts' EP sharding):
+    ``ep_mesh``, ``dp_mesh`` (ranks holding the same experts), ``fsdp_mesh`` (dp x ep flattened: all ranks of a
+    stage), ``expert_mesh`` ((dp, ep), 2-D).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     pcfg: ParallelConfig
-    world_mesh: DeviceMesh | None = None
-    ep_mesh: DeviceMesh | None = None
+    mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
-        return self.world_mesh is not None
+        return self.mesh is not None
 
     @property
     def ep_rank(self) -> int:
@@ -53,23 +86,72 @@ class ParallelContext:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.pcfg.ep
+        return (self.rank // self.pcfg.ep) % self.pcfg.dp
+
+    def _sub(self, *dims: str) -> DeviceMesh | None:
+        return self.mesh[dims if len(dims) > 1 else dims[0]] if self.mesh is not None else None
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        return self._sub("ep")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        return self._sub("dp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        return self._sub("dp_ep")
+
+    @property
+    def expert_mesh(self) -> DeviceMesh | None:
+        return self._sub("dp", "ep")
 
     @property
     def ep_group(self) -> Any:
-        return self.ep_mesh.get_group("ep") if self.ep_mesh is not None else None
+        return self.mesh["ep"].get_group() if self.mesh is not None else None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def expert_placement(self, n_experts: int) -> ExpertPlacement:
+        return ExpertPlacement(n_experts, self.pcfg.ep, self.ep_rank)
 
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    """Backend options carrying ``timeout``, for every group the mesh creates."""
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    return opts
+
+
+def build_mesh(device_type: str, pp: int, dp: int, ep: int, timeout_s: float) -> DeviceMesh:
+    """The (pp, dp, ep) mesh plus the flattened "dp_ep" dimension, every group with ``timeout_s``.
+
+    Needs an initialised default process group of pp * dp * ep ranks."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    opts = _group_options(backend, datetime.timedelta(seconds=timeout_s))
+    mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS,
+                            backend_override={d: opts for d in MESH_DIMS})
+    mesh["dp", "ep"]._flatten("dp_ep", backend_override=opts)
+    return mesh
+
+
+def group_timeout(group: Any) -> datetime.timedelta:
+    """The timeout a process group was created with (for tests and diagnostics)."""
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
 def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | None = None) -> ParallelContext:
-    """Initialise the process group (if launched by torchrun) and the meshes.
+    """Initialise the process group (if launched by torchrun) and the mesh.
 
     Args:
         pcfg: parallel settings; sizes are checked against the world here, before any model is built.
@@ -93,9 +175,8 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    world_mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("world",))
-    ep_mesh = init_device_mesh(dev.type, (pcfg.dp, pcfg.ep), mesh_dim_names=("dp", "ep"))
-    return ParallelContext(rank, world, local_rank, dev, pcfg, world_mesh, ep_mesh)
+    mesh = build_mesh(dev.type, 1, pcfg.dp, pcfg.ep, pcfg.timeout_s)
+    return ParallelContext(rank, world, local_rank, dev, pcfg, mesh)
 
 
 def check_same_config(ctx: ParallelContext, config: dict[str, Any]) -> None:

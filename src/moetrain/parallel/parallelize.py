@@ -1,18 +1,25 @@
 """``parallelize(model, ctx)``: distribute a single-device model from outside, in one fixed order.
 
-1. Expert parallelism: every GroupedExperts keeps only its EP rank's slice of El = E/EP experts, and every MoE layer
-   gets the configured dispatcher (local permutation, or the all-to-all one) with capacity, overlap and token
-   deduplication settings.
+1. Expert parallelism: every MoE layer gets the configured dispatcher (local permutation, or the all-to-all one)
+   with capacity, overlap and token deduplication settings, and its expert weights become DTensors of global shape
+   (E, ...) sharded on the expert dim over the EP mesh (``Shard(0)``, as TorchTitan does): this rank stores El = E/EP
+   experts, and the placement itself -- not a module attribute -- says which, so checkpoints save and reshard the
+   experts without gathering them.
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
 3. Activation checkpointing of every block (main and MTP), if asked.
-4. FSDP2 ``fully_shard``: expert weights over the DP group (ranks holding the same experts), then every block and the
-   root over all ranks. Gradients are *summed*, not averaged (divide factor 1): the trainer normalises the loss by
-   global token and sequence counts, so the summed gradient is the gradient of the global mean loss whatever the
-   split over ranks and micro-batches. Expert weights receive every EP peer's tokens through the all-to-all backward,
-   so summing over DP completes their sum over all tokens.
+4. FSDP2 ``fully_shard``: expert weights over the DP mesh (ranks holding the same experts), then every block and the
+   root over all ranks of the stage (the flattened dp x ep mesh). Gradients are *summed*, not averaged (divide
+   factor 1): the trainer normalises the loss by global token and sequence counts, so the summed gradient is the
+   gradient of the global mean loss whatever the split over ranks and micro-batches. Expert weights receive every EP
+   peer's tokens through the all-to-all backward, so summing over DP completes their sum over all tokens. On GPU a
+   ``param_dtype`` (bf16) makes FSDP all-gather and compute in bf16 while reducing gradients in fp32.
 
-The order matters: slicing must precede sharding (FSDP shards what it is given), and experts must be wrapped before
-their block so their parameters leave the block's (world-sharded) group.
+The order matters: EP placement must precede sharding (FSDP shards what it is given), and experts must be wrapped
+before their block so their parameters leave the block's group.
+
+``parallelize`` takes a materialised model (every rank built the same weights) or, for any model size, one built on
+the meta device: then :func:`materialize` allocates only the local shards and initialises them with the
+layout-independent init, so the weights equal a single process's.
 """
 
 from __future__ import annotations
@@ -20,21 +27,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher
-from moetrain.model.transformer import Transformer
+from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.dispatch import AllToAllDispatcher
 from moetrain.parallel.mesh import ParallelContext
 
 
-def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
+def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dtype | None = None) -> Transformer:
     """Apply expert parallelism, chunking, activation checkpointing and FSDP2 to ``model`` in place; returns it.
 
+    Args:
+        model: on the meta device or materialised (identically on every rank).
+        ctx: the parallel context.
+        param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16 on GPU): parameters are all-gathered and used in
+            this dtype, gradients reduced in fp32; None keeps fp32 throughout (the CPU default).
+
     Raises:
-        ValueError: the "local" dispatcher asked for with EP > 1.
+        ValueError: the "local" dispatcher asked for with EP > 1, or "alltoall" without a process group.
     """
     pcfg = ctx.pcfg
     capacity = CapacityConfig(pcfg.capacity_factor, pcfg.drop_policy, pcfg.pad_to_capacity)
@@ -51,7 +64,8 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
                                                 pcfg.dedup)
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
-        _keep_local_experts(moe.experts, moe.dispatcher.local_expert_offset, moe.dispatcher.n_local_experts)
+        if ctx.distributed:
+            place_experts(moe.experts, ctx)
         # 2. chunked overlap
         moe.n_chunks = pcfg.n_chunks
     # 3. activation checkpointing
@@ -60,14 +74,18 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
         block.recompute = pcfg.activation_checkpointing
     # 4. FSDP2
     if ctx.distributed:
-        from torch.distributed.fsdp import fully_shard
-        dp_mesh = ctx.ep_mesh["dp"]
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+        kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
         for moe in model.moe_layers():
-            # Several calls per forward when chunked: keep the experts gathered through the forward.
-            fully_shard(moe.experts, mesh=dp_mesh, reshard_after_forward=pcfg.n_chunks == 1)
+            # Shard dim 1 (2F or D): dim 0 is already split over EP, and a second split of it over DP would be a
+            # strided placement; dim 1 keeps the shards plain 2-D boxes that DCP saves and reshards directly.
+            # Several expert calls per forward when chunked: keep the experts gathered through the forward.
+            fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1,
+                        shard_placement_fn=lambda p: Shard(1), **kw)
         for block in blocks:
-            fully_shard(block, mesh=ctx.world_mesh)
-        fully_shard(model, mesh=ctx.world_mesh)
+            fully_shard(block, mesh=ctx.fsdp_mesh, **kw)
+        fully_shard(model, mesh=ctx.fsdp_mesh, **kw)
         for mod in model.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
                 mod.set_gradient_divide_factor(1.0)
@@ -76,34 +94,56 @@ def parallelize(model: Transformer, ctx: ParallelContext) -> Transformer:
     return model
 
 
-def _keep_local_experts(experts: GroupedExperts, offset: int, n_local: int) -> None:
-    if n_local == experts.n_experts:
-        return
+def place_experts(experts: GroupedExperts, ctx: ParallelContext) -> None:
+    """Turn the expert weights into DTensors of global shape (E, ...) with ``Shard(0)`` over the EP mesh, keeping
+    this rank's El experts (a slice of the given values, or meta storage when the model is on meta)."""
+    place = ctx.expert_placement(experts.n_experts)
     for name, full in list(experts.named_parameters(recurse=False)):
-        setattr(experts, name, nn.Parameter(full.detach()[offset:offset + n_local].clone()))
-    experts.n_experts = n_local
+        if isinstance(full, DTensor):
+            raise ValueError(f"experts.{name} is already distributed; parallelize a model once")
+        part = full.detach()[place.offset:place.offset + place.n_local]
+        local = part if full.is_meta else part.clone()
+        dt = DTensor.from_local(local, ctx.ep_mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                stride=full.stride())
+        setattr(experts, name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
 
-def is_expert_param(name: str) -> bool:
-    return ".experts.w" in name
+def shard_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global shape, offsets of the local part in it, local part) of a DTensor or a plain tensor.
+
+    Every placement moetrain uses (FSDP ``Shard``, EP ``Shard(0)``, their 2-D combination) keeps a rank's part a
+    contiguous box of the global tensor.
+    """
+    if isinstance(t, DTensor):
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(shape):
+            raise RuntimeError(f"local shard {tuple(local.shape)} != expected {tuple(shape)} for placements "
+                               f"{t.placements}")
+        return tuple(t.shape), tuple(offsets), local
+    return tuple(t.shape), (0,) * t.dim(), t
+
+
+def materialize(model: Transformer, ctx: ParallelContext, seed: int = 0) -> Transformer:
+    """Allocate the local shards of a parallelized meta-device model on ``ctx.device`` and initialise them (name-
+    seeded: the same values as :func:`~moetrain.model.transformer.build_model` in one process). Returns ``model``."""
+    model.to_empty(device=ctx.device)
+    init_weights(model, seed=seed, shard_box=shard_box)
+    model._rope_cache.clear()
+    return model
 
 
 def full_state_dict(model: Transformer, ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """Gather every parameter and buffer to its full, unsharded single-process form (on every rank, CPU).
 
-    FSDP shards are all-gathered; expert slices are concatenated over the EP group in expert order.
-    Meant for tests, exports and small models: it materialises the whole model on each rank.
+    Meant for tests and small models: it materialises the whole model on each rank (checkpoints and exports never
+    call it).
     """
     out: dict[str, torch.Tensor] = {}
-    items = list(model.named_parameters()) + list(model.named_buffers())
-    for name, t in items:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         t = t.detach()
         if isinstance(t, DTensor):
             t = t.full_tensor()
-        if is_expert_param(name) and ctx.distributed and ctx.pcfg.ep > 1:
-            parts = [torch.empty_like(t) for _ in range(ctx.pcfg.ep)]
-            dist.all_gather(parts, t.contiguous(), group=ctx.ep_group)
-            t = torch.cat(parts, dim=0)
         out[name] = t.cpu().clone()
     return out
 
@@ -111,3 +151,8 @@ def full_state_dict(model: Transformer, ctx: ParallelContext) -> dict[str, torch
 def local_tensor(t: Any) -> torch.Tensor:
     """The part of ``t`` stored on this rank (the local shard of a DTensor, else ``t``)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameter elements stored on this rank."""
+    return sum(local_tensor(p).numel() for p in model.parameters())

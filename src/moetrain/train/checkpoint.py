@@ -9,11 +9,13 @@ Atomicity: every rank writes into the temporary directory; after a barrier rank 
 the ``COMPLETE`` marker, then renames the directory (an atomic rename on POSIX). A crash at any moment leaves the
 newest *complete* checkpoint untouched, and "latest" is simply the highest-numbered directory with a marker.
 
-Resharding: non-expert weights and their optimizer states are FSDP2 DTensors, which DCP reshards to any world size.
-Expert weights live in per-rank slices (E/EP experts each), so they are saved one tensor per expert
-(``...experts.w13_E2FD.<e>``, ``...experts.w2_EDF.<e>``); a run with another EP size loads exactly the experts it
-holds. Hence resuming with a different EP (or DP) size works. Checkpoints written before the gate and up
-projections were stacked (separate ``w1_EFD.<e>`` / ``w3_EFD.<e>`` keys) load into the stacked parameter.
+Resharding without gathering: every weight and optimizer state is saved as what it is -- a DTensor (FSDP2 shards,
+and routed experts sharded on the expert dim over EP and on dim 1 over DP) or a plain tensor in one process -- under
+its global shape, keys ``model.<fqn>`` and ``optim.<fqn>.<state>``. DCP writes each rank's local box and, on load,
+reads into each rank's box whatever layout wrote it, so a run resumes at another EP, DP (and later PP) size and no
+rank ever holds more than its shard plus one saved chunk in flight. Checkpoints of earlier moetrain versions (one
+entry per expert, ``<key>.<e>``; before that separate ``w1_EFD`` / ``w3_EFD`` halves) load too, each rank reading only
+the boxes of its own experts.
 """
 
 from __future__ import annotations
@@ -30,12 +32,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
-from moetrain.parallel.parallelize import is_expert_param
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -62,45 +62,14 @@ def _barrier(ctx: ParallelContext) -> None:
         dist.barrier()
 
 
-def _expert_info(model: Transformer) -> dict[str, tuple[int, int]]:
-    """FQN prefix of each GroupedExperts -> (first global expert, number held here)."""
-    info = {}
-    for name, mod in model.named_modules():
-        if hasattr(mod, "dispatcher") and hasattr(mod, "experts"):
-            info[f"{name}.experts"] = (mod.dispatcher.local_expert_offset, mod.dispatcher.n_local_experts)
-    return info
-
-
-def _owner(fqn: str, info: dict[str, tuple[int, int]]) -> tuple[int, int]:
-    return info[fqn.rsplit(".", 1)[0]]
-
-
-def _full_local(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _split_experts(key: str, t: torch.Tensor, offset: int, n: int) -> dict[str, torch.Tensor]:
-    """One entry per expert held here: ``<key>.<global expert id>`` -> that expert's (unsharded) slice."""
-    full = _full_local(t.detach())
-    return {f"{key}.{offset + i}": full[i].clone() for i in range(n)}
-
-
 def _flat_state(model: Transformer, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP-ready flat dict plus the optimizer state dict it was built from (to write loaded values back)."""
-    info = _expert_info(model)
-    flat: dict[str, Any] = {}
-    for fqn, t in model.state_dict().items():
-        if is_expert_param(fqn):
-            flat.update(_split_experts(f"model.{fqn}", t, *_owner(fqn, info)))
-        else:
-            flat[f"model.{fqn}"] = t
+    """DCP-ready flat dict of references to the live model and optimizer tensors (no copies), plus the optimizer
+    state dict it was built from (to write loaded values back)."""
+    flat: dict[str, Any] = {f"model.{fqn}": t for fqn, t in model.state_dict().items()}
     osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
     for fqn, st in osd["state"].items():
         for key, val in st.items():
-            if is_expert_param(fqn) and isinstance(val, torch.Tensor) and val.dim() > 0:
-                flat.update(_split_experts(f"optim.{fqn}.{key}", val, *_owner(fqn, info)))
-            else:
-                flat[f"optim.{fqn}.{key}"] = val
+            flat[f"optim.{fqn}.{key}"] = val
     return flat, osd
 
 
@@ -165,7 +134,8 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim.Optimizer,
                     ctx: ParallelContext) -> dict[str, Any]:
     """Load model and optimizer state saved by :func:`save_checkpoint` into the current (possibly differently
-    parallelized) model. Returns the trainer state. The caller checks model-config compatibility first.
+    parallelized) model, in place, each rank reading its own boxes. Returns the trainer state. The caller checks
+    model-config compatibility first.
 
     Raises:
         CheckpointError: incomplete checkpoint.
@@ -175,61 +145,74 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
         raise CheckpointError(f"{path} is incomplete (no COMPLETE marker); refusing to load it")
     _init_optimizer_state(model, optimizer)
     flat, osd = _flat_state(model, optimizer)
-    to_load, source_key = _with_legacy_expert_keys(flat, path)
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
+              and _EXPERT_KEY.search(k)}
+    to_load = {k: t for k, t in flat.items() if k not in legacy}
+    renamed = _legacy_scalar_keys(to_load, stored)
     dcp.load(to_load, checkpoint_id=str(path))
-    for key, t in flat.items():  # DCP loads tensors in place but replaces non-tensor values in the dict it is given
-        if not isinstance(t, torch.Tensor):
-            flat[key] = to_load[source_key.get(key, key)]
-    info = _expert_info(model)
+    if legacy:
+        _load_legacy_experts(path, legacy, stored)
     with torch.no_grad():
-        msd = model.state_dict()
-        for fqn, t in msd.items():
-            if is_expert_param(fqn):
-                offset, n = _owner(fqn, info)
-                _copy_into(t, torch.stack([flat[f"model.{fqn}.{offset + i}"] for i in range(n)]))
-            elif not isinstance(t, DTensor) and flat[f"model.{fqn}"] is not t:
-                t.copy_(flat[f"model.{fqn}"])
         for fqn, st in osd["state"].items():
-            for key, val in st.items():
-                if is_expert_param(fqn) and isinstance(val, torch.Tensor) and val.dim() > 0:
-                    offset, n = _owner(fqn, info)
-                    _copy_into(val, torch.stack([flat[f"optim.{fqn}.{key}.{offset + i}"] for i in range(n)]))
-                else:
-                    st[key] = flat[f"optim.{fqn}.{key}"]
+            for key in st:
+                k = f"optim.{fqn}.{key}"
+                if not isinstance(st[key], torch.Tensor) or k in renamed:
+                    # DCP loads tensors in place but replaces non-tensor values in the dict it is given
+                    st[key] = to_load[renamed.get(k, k)]
     set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(flatten_optimizer_state_dict=False))
     state = read_trainer_state(path)
     torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     return state
 
 
-def _copy_into(dst: torch.Tensor, full_local: torch.Tensor) -> None:
-    """Copy this rank's full expert slice into ``dst`` (a DTensor sharded over DP, or a plain tensor)."""
-    if isinstance(dst, DTensor):
-        src = distribute_tensor(full_local.to(dst.device), dst.device_mesh, dst.placements, src_data_rank=None)
-        dst.to_local().copy_(src.to_local())
-    else:
-        dst.copy_(full_local)
+_EXPERT_KEY = re.compile(r"\.experts\.(w13_E2FD|w2_EDF)(\.|$)")
 
 
-def _with_legacy_expert_keys(flat: dict[str, Any], path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """What to ask DCP for: ``flat``, except that every stacked-expert entry the checkpoint lacks is mapped to the two
-    entries an older moetrain wrote for it -- ``...w13_E2FD.<e>`` (2F, D) <- ``...w1_EFD.<e>`` (F, D) into rows
-    [0, F) and ``...w3_EFD.<e>`` into rows [F, 2F), as views, so DCP loads straight into the stacked tensors; the
-    optimizer's step count of w13 comes from w1's (both were stepped together). Also returns, for each remapped
-    scalar, the key it is loaded under."""
-    stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    out: dict[str, Any] = {}
-    source_key: dict[str, str] = {}
-    for key, t in flat.items():
-        k1, k3 = key.replace(".w13_E2FD.", ".w1_EFD."), key.replace(".w13_E2FD.", ".w3_EFD.")
-        if key in stored or k1 == key or k1 not in stored:
-            out[key] = t
-        elif not isinstance(t, torch.Tensor) or t.dim() == 0:
-            out[k1], source_key[key] = t, k1
-        else:
-            half = t.shape[0] // 2
-            out[k1], out[k3] = t[:half], t[half:]
-    return out, source_key
+def _legacy_scalar_keys(to_load: dict[str, Any], stored: Any) -> dict[str, str]:
+    """Scalar optimizer entries (AdamW's step) of the stacked w13 that a pre-stacking checkpoint keeps under w1's
+    name (both were stepped together): load them from there. Returns {our key: stored key}."""
+    renamed = {}
+    for k in list(to_load):
+        k1 = k.replace(".w13_E2FD.", ".w1_EFD.")
+        if k not in stored and k1 != k and k1 in stored:
+            to_load[k1] = to_load.pop(k)
+            renamed[k] = k1
+    return renamed
+
+
+def _load_legacy_experts(path: Path, legacy: dict[str, torch.Tensor], stored: Any) -> None:
+    """Fill expert tensors from a checkpoint that kept one entry per expert (``<key>.<e>``), or, older still,
+    separate gate/up halves (``...w1_EFD.<e>`` rows [0, F) and ``...w3_EFD.<e>`` rows [F, 2F) of w13). Each rank reads
+    only the boxes of its own local shard.
+
+    Raises:
+        CheckpointError: an expert entry is in neither layout.
+    """
+    from moetrain.interop.dcp_read import BoxRequest, read_boxes
+    from moetrain.parallel.parallelize import shard_box
+
+    requests = []
+    for key, t in legacy.items():
+        _, (e0, r0, c0), local = shard_box(t)
+        F2 = t.shape[1]
+        for i in range(local.shape[0]):
+            e = e0 + i
+            if f"{key}.{e}" in stored:
+                requests.append(BoxRequest(f"{key}.{e}", (r0, c0), local[i]))
+                continue
+            k1, k3 = (f"{key}.{e}".replace(".w13_E2FD.", ".w1_EFD."), f"{key}.{e}".replace(".w13_E2FD.", ".w3_EFD."))
+            if k1 == f"{key}.{e}" or k1 not in stored or k3 not in stored:
+                raise CheckpointError(f"checkpoint {path} has no entry for {key} (expert {e}) in any known layout")
+            half = F2 // 2
+            rows = range(r0, r0 + local.shape[1])
+            if rows.start < half:  # part of the local rows are gate rows
+                n = min(rows.stop, half) - rows.start
+                requests.append(BoxRequest(k1, (rows.start, c0), local[i, :n]))
+            if rows.stop > half:
+                start = max(rows.start, half)
+                requests.append(BoxRequest(k3, (start - half, c0), local[i, start - rows.start:]))
+    read_boxes(path, requests)
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
