@@ -1,4 +1,4 @@
-"""``moetrain`` command line: count | train | plan | bench | plot."""
+"""``moetrain`` command line: count | train | export | plan | bench | plot."""
 
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", help="run directory (default runs/default)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--init-from", metavar="HF_DIR", help="start from released weights: a HF checkpoint directory "
+                    "(config.json + safetensors); its config.json gives the model unless --preset is given; "
+                    "--set model.X=... still overrides fields")
+    ap.add_argument("--dry-run", action="store_true", help="all set-up (checks, data, mesh, meta build, parallelize, "
+                    "materialise, --init-from), no step; print each rank's parameters, gradient and optimizer bytes, "
+                    "measured peak memory and the performance model's prediction")
+    ap.add_argument("--world", type=int, metavar="N", help="with --dry-run: report rank 0 of an N-rank layout that "
+                    "does not exist here, built on meta in this process (no data preparation, no workers)")
 
 
 def job_from_args(args: argparse.Namespace):
@@ -83,16 +91,27 @@ def job_from_args(args: argparse.Namespace):
         sets.append("train.resume=true")
     if args.device:
         sets.append(f"train.device={json.dumps(args.device)}")
+    if args.init_from:
+        sets.append(f"train.init_from={json.dumps(args.init_from)}")
     return load_job_config(args.config, sets)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
 
-    summary = train_main(job_from_args(args))
+    summary = train_main(job_from_args(args), dry_run=args.dry_run, world=args.world)
     if summary and len(summary.get("val", [])) >= 2:
         (s0, v0), (s1, v1) = summary["val"][0], summary["val"][-1]
         print(f"validation loss: step {s0} {v0:.4f} -> step {s1} {v1:.4f} ({v1 / v0:.2%} of start)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from moetrain.interop.export import DTYPES, export_run
+
+    out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=DTYPES.get(args.dtype),
+                     overwrite=args.overwrite)
+    print(f"exported {args.run_dir} to {out}")
     return 0
 
 
@@ -118,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(t)
     t.set_defaults(func=cmd_train)
 
+    e = sub.add_parser("export", help="write a run's checkpoint in the released HF layout (safetensors, index, "
+                       "config.json, tokenizer.json), never gathering the whole model")
+    e.add_argument("run_dir", help="the run directory (moetrain train --out)")
+    e.add_argument("out_dir", help="the HF checkpoint directory to write (created atomically)")
+    e.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
+    e.add_argument("--dtype", choices=["bf16", "fp32"], help="cast the weights (default: as trained, fp32)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    e.set_defaults(func=cmd_export)
+
     p = sub.add_parser("plot", help="loss curves and expert-load heatmap of a run, as PNG")
     p.add_argument("run_dir", nargs="?", default="runs/default")
     p.add_argument("--out", help="output directory (default: the run directory)")
@@ -136,12 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from moetrain.data import DataError
     from moetrain.model.config import ConfigError
+    from moetrain.interop.hf import CheckpointError as HFCheckpointError
     from moetrain.train.checkpoint import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError, json.JSONDecodeError) as e:
+    except (ConfigError, DataError, CheckpointError, HFCheckpointError, FileNotFoundError, FileExistsError,
+            json.JSONDecodeError) as e:
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

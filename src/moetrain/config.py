@@ -130,6 +130,14 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None) -> JobCo
     model_raw = sections.get("model", {})
     preset = model_raw.pop("preset", None)
     hf_config = model_raw.pop("hf_config", None)
+    init_from = sections.get("train", {}).get("init_from")
+    if init_from is not None:
+        init = Path(str(init_from))
+        if not (init / "config.json").is_file():
+            raise ConfigError(f"train.init_from={str(init)!r} is not a HF checkpoint directory (no config.json "
+                              f"there); give the directory holding config.json and the safetensors files")
+        if preset is None and hf_config is None:
+            hf_config = str(init / "config.json")  # the architecture comes with the weights
     if hf_config is not None:
         from moetrain.interop.hf import load_hf_config
         base = load_hf_config(hf_config)

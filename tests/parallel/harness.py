@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -45,7 +46,11 @@ def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300) -> lis
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(world, _free_port(), d, fn, args), nprocs=world, join=False,
                                  start_method="spawn")
-        ctx.join(timeout=timeout)
+        # join() returns as soon as *one* process has ended cleanly: keep joining until all have, or time is up.
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                break
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()

@@ -222,3 +222,63 @@ def hang_in_dispatch_run() -> str:
         return "slept"
     layer(torch.randn(1, 8, cfg.dim))
     return "no error"
+
+
+def hang_in_dispatch_dp_ep_run() -> str:
+    """DP=2 x EP=2: rank 1 never enters the MoE layer, so rank 0's dispatch on the EP sub-group (ranks 0, 1) must time
+    out with the configured 3 s (the sub-group used to get torch's 30-minute default) and name the phase."""
+    import time
+
+    from moetrain.model.moe import MoE
+    from moetrain.parallel.dispatch import AllToAllDispatcher
+    from moetrain.parallel.parallelize import place_experts
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(ep=2, timeout_s=3), cfg.n_routed_experts)
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    layer.dispatcher = AllToAllDispatcher(cfg.n_routed_experts, 2, ctx.ep_rank, ctx.ep_group)
+    place_experts(layer.experts, ctx)
+    if ctx.rank == 1:
+        time.sleep(10)
+        return "slept"
+    t = time.perf_counter()
+    try:
+        layer(torch.randn(1, 8, cfg.dim))
+    finally:
+        if ctx.rank == 0:
+            print(f"rank 0 waited {time.perf_counter() - t:.1f} s")
+    return "no error"
+
+
+def mesh_timeouts_run() -> dict:
+    """The timeout of every group of the mesh, in seconds."""
+    from moetrain.parallel.mesh import group_timeout
+
+    ctx = init_parallel(ParallelConfig(ep=2, timeout_s=7), 8)
+    groups = {"pp": ctx.mesh["pp"], "dp": ctx.dp_mesh, "ep": ctx.ep_mesh, "dp_ep": ctx.fsdp_mesh}
+    return {k: group_timeout(m.get_group()).total_seconds() for k, m in groups.items()}
+
+
+def meta_build_run(pcfg_kwargs: dict, init_from: str | None = None, tokens: torch.Tensor | None = None) -> dict:
+    """Build the tiny model as ``moetrain train`` does (meta -> parallelize -> materialise shards -> optional HF
+    weights); return its full (gathered) weights, the local parameter count and, given ``tokens``, the logits."""
+    from moetrain.config import JobConfig
+    from moetrain.parallel.parallelize import local_numel
+    from moetrain.train.config import TrainConfig
+    from moetrain.train.trainer import build_sharded_model
+
+    if init_from:
+        from moetrain.interop.hf import load_hf_config
+        cfg = load_hf_config(init_from)
+    else:
+        cfg = tiny_test_config()
+    job = JobConfig(model=cfg, parallel=ParallelConfig(**pcfg_kwargs), train=TrainConfig(seed=0))
+    ctx = init_parallel(job.parallel, cfg.n_routed_experts, device="cpu")
+    model = build_sharded_model(job, ctx, None, init_from=init_from)
+    out = {"params": full_state_dict(model, ctx), "local_numel": local_numel(model)}
+    if tokens is not None:
+        model.eval()
+        with torch.no_grad():
+            out["logits"] = model(tokens, return_logits=True).logits_BLV
+    return out

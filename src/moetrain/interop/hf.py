@@ -455,6 +455,7 @@ class LoadResult:
         loaded: tensors copied into the model (per-expert tensors count one each).
         skipped_nonlocal: experts present in the checkpoint but held by other expert-parallel ranks (not read).
         missing: HF names the model needs that the checkpoint lacks. unexpected: checkpoint names the model lacks.
+        mtp_missing: the checkpoint has none of the MTP tensors (accepted with ``mtp_optional``).
         files: the safetensors files read.
     """
 
@@ -463,6 +464,7 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    mtp_missing: bool = False
 
 
 def _checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path]]:
@@ -498,7 +500,8 @@ def _shape_error(hf_name: str, ours: str, got, want) -> CheckpointError:
 
 @torch.no_grad()
 def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool = True,
-                       shard_box: ShardBox | None = None) -> LoadResult:
+                       shard_box: ShardBox | None = None, check_only: bool = False,
+                       mtp_optional: bool = False) -> LoadResult:
     """Copy a HF-layout safetensors checkpoint into ``model`` in place, streaming one tensor at a time and reading
     only the part of each tensor that this process holds.
 
@@ -511,6 +514,10 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
         strict: raise when the checkpoint lacks tensors the model needs or has tensors the model lacks.
         shard_box: where each model tensor's local part sits in its global tensor (default: DTensor placements;
             plain tensors are whole).
+        check_only: check names and shapes (the model may be on meta) and copy nothing; reads only file headers.
+        mtp_optional: a checkpoint with no MTP tensors at all (``transformers`` saves DeepseekV3 without them,
+            although its config.json keeps ``num_nextn_predict_layers``) leaves the model's MTP modules as they are
+            (``LoadResult.mtp_missing``); a checkpoint with only some of them is still an error.
 
     FP8 (float8_e4m3fn) weights with a ``<name>_scale_inv`` are dequantised per 128x128 block (the whole HF tensor is
     read for that). Shape mismatches always raise, before anything is copied from that tensor. Returns a
@@ -526,7 +533,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
     entries, packed = _entries(model)
     boxes = {id(e.tensor): shard_box(e.tensor) for e in entries}
     for e in entries:
-        if not e.copy and boxes[id(e.tensor)][2].is_meta:
+        if not check_only and not e.copy and boxes[id(e.tensor)][2].is_meta:
             raise CheckpointError(f"{e.name} is on the meta device; materialise the model (to_empty) before loading")
     _check_expert_boxes(entries, boxes)
     by_name = {e.hf_name: e for e in entries}
@@ -547,8 +554,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
     def load(f, fpath: Path, key: str, entry: _Entry) -> bool:
         """Copy this rank's part of HF tensor ``key`` into ``entry``'s tensor; False if it holds none of it."""
         hit = _overlap(entry, boxes[id(entry.tensor)])
-        if hit is None:
-            return False
+        if hit is None or check_only:
+            return hit is not None
         hf_sl, dst = hit
         sl = f.get_slice(key)
         if sl.get_dtype() in _FP8_ST_DTYPES:
@@ -595,6 +602,10 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
 
     res.missing = [e.hf_name for e in entries if not e.copy and e.hf_name not in seen
                    and _overlap(e, boxes[id(e.tensor)]) is not None]
+    mtp_names = {e.hf_name for e in entries if e.name.startswith("mtp.") and not e.copy}
+    if mtp_optional and mtp_names and not (mtp_names & seen):
+        res.mtp_missing = True
+        res.missing = [n for n in res.missing if n not in mtp_names]
     if strict and (res.missing or res.unexpected):
         parts = []
         if res.missing:
@@ -606,6 +617,17 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
         raise CheckpointError(f"checkpoint {path} does not match the model ({'; '.join(parts)}); is it from a "
                               "different model/config? Pass strict=False to load what matches.")
     return res
+
+
+def check_hf_checkpoint(cfg: ModelConfig, path: str | os.PathLike, mtp_optional: bool = False) -> LoadResult:
+    """Check, from the safetensors headers alone, that the checkpoint at ``path`` holds every tensor of a ``cfg``
+    model with its shape (nothing is allocated: the model is built on meta).
+
+    Raises:
+        CheckpointError: a missing or unexpected tensor, or a shape mismatch (naming the tensor and both shapes).
+    """
+    from moetrain.model.transformer import build_model
+    return load_hf_checkpoint(build_model(cfg, device="meta"), path, check_only=True, mtp_optional=mtp_optional)
 
 
 def _check_expert_boxes(entries: list[_Entry], boxes: dict[int, Any]) -> None:

@@ -68,10 +68,20 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(kv_lat)).view(B, L, H, self.nope_dim + self.v_dim)
         k_nope, v_BLHV = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
-        q_BLHK = torch.cat([q_nope, q_rope], dim=-1)
-        k_BLHK = torch.cat([k_nope, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1)
+        # SDPA's fused kernels (CPU flash; CUDA flash, memory-efficient, cuDNN) need one head dim for q, k and v,
+        # CUDA's memory-efficient one a multiple of 8 in 16-bit; otherwise SDPA falls back to the math kernel and its
+        # B x H x L x L scores. Zero padding leaves QK^T unchanged and only adds output columns (sliced off); the
+        # explicit scale keeps the real qk dim's.
+        P = -(-max(self.qk_dim, self.v_dim) // 8) * 8
+        q_BLHP = _pad_to(torch.cat([q_nope, q_rope], dim=-1), P)
+        k_BLHP = _pad_to(torch.cat([k_nope, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1), P)
         out = F.scaled_dot_product_attention(
-            q_BLHK.transpose(1, 2), k_BLHK.transpose(1, 2), v_BLHV.transpose(1, 2),
+            q_BLHP.transpose(1, 2), k_BLHP.transpose(1, 2), _pad_to(v_BLHV, P).transpose(1, 2),
             is_causal=True, scale=self.softmax_scale,
-        )  # (B, H, L, Dv)
+        )[..., : self.v_dim]  # (B, H, L, Dv)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, H * self.v_dim))
+
+
+def _pad_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Zero-pad the last dim of ``x`` to ``size`` (``x`` itself when it already has that size)."""
+    return x if x.shape[-1] == size else F.pad(x, (0, size - x.shape[-1]))

@@ -75,6 +75,7 @@ class ParallelContext:
     device: torch.device
     pcfg: ParallelConfig
     mesh: DeviceMesh | None = None
+    flat_mesh: DeviceMesh | None = None  # "dp_ep", kept here: slicing a flattened dim from the root is deprecated
 
     @property
     def distributed(self) -> bool:
@@ -101,7 +102,7 @@ class ParallelContext:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        return self._sub("dp_ep")
+        return self.flat_mesh
 
     @property
     def expert_mesh(self) -> DeviceMesh | None:
@@ -133,16 +134,19 @@ def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
     return opts
 
 
-def build_mesh(device_type: str, pp: int, dp: int, ep: int, timeout_s: float) -> DeviceMesh:
-    """The (pp, dp, ep) mesh plus the flattened "dp_ep" dimension, every group with ``timeout_s``.
+def build_mesh(device_type: str, pp: int, dp: int, ep: int, timeout_s: float | None
+               ) -> tuple[DeviceMesh, DeviceMesh]:
+    """The (pp, dp, ep) mesh and its flattened "dp_ep" dimension, every group with ``timeout_s`` (None: the
+    backend's own options, for the "fake" backend of ``--dry-run --world``).
 
     Needs an initialised default process group of pp * dp * ep ranks."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    opts = _group_options(backend, datetime.timedelta(seconds=timeout_s))
+    if timeout_s is None:
+        mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS)
+        return mesh, mesh["dp", "ep"]._flatten("dp_ep")
+    opts = _group_options(backend_for(torch.device(device_type)), datetime.timedelta(seconds=timeout_s))
     mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS,
                             backend_override={d: opts for d in MESH_DIMS})
-    mesh["dp", "ep"]._flatten("dp_ep", backend_override=opts)
-    return mesh
+    return mesh, mesh["dp", "ep"]._flatten("dp_ep", backend_override=opts)
 
 
 def group_timeout(group: Any) -> datetime.timedelta:
@@ -175,8 +179,25 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    mesh = build_mesh(dev.type, 1, pcfg.dp, pcfg.ep, pcfg.timeout_s)
-    return ParallelContext(rank, world, local_rank, dev, pcfg, mesh)
+    mesh, flat = build_mesh(dev.type, 1, pcfg.dp, pcfg.ep, pcfg.timeout_s)
+    return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
+
+
+def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> ParallelContext:
+    """Rank 0 of a ``world``-rank layout that does not exist here, on torch's "fake" process group (collectives are
+    no-ops): enough to build the mesh, place experts and FSDP-shard a meta-device model, so every rank-0 shard size
+    is the real one. For ``moetrain train --dry-run --world N``.
+
+    Raises:
+        ConfigError: sizes inconsistent with ``world``.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    pcfg = pcfg.resolve(world, n_routed_experts)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh, flat = build_mesh("cpu", 1, pcfg.dp, pcfg.ep, None)
+    return ParallelContext(0, world, 0, torch.device("cpu"), pcfg, mesh, flat)
 
 
 def check_same_config(ctx: ParallelContext, config: dict[str, Any]) -> None:

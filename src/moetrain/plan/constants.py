@@ -118,9 +118,9 @@ CPU = Efficiency(
     gemm_fp8=0.80,
     # Expert GEMMs under gloo EP are a Python loop or a grouped kernel over small per-expert batches: 0.6.
     grouped_gemm=0.60,
-    # Attention on CPU is scaled_dot_product_attention's math path: batched GEMMs plus a softmax over L x L.
-    # (Used for models whose code is not counted; for moetrain's own model the softmax and masking are counted
-    # operators -- moetrain.plan.counts -- and the batched GEMMs run at ``gemm_bf16``.)
+    # Attention on CPU: batched GEMMs plus a softmax over L x L (SDPA's fused CPU kernel or its math path).
+    # (Used for models whose code is not counted; for moetrain's own model the softmax elements are counted --
+    # moetrain.plan.counts -- and the attention GEMMs run at ``gemm_bf16``.)
     attention=0.50,
     sfu=1.0,
     # Elementwise PyTorch CPU kernels vs a measured large copy, when the bytes come from the fused-kernel formulas

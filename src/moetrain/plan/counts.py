@@ -11,7 +11,9 @@ one forward + backward at the run's sequence length and sorts it into
 * **views** (``view``, ``t``, ``expand`` ... and ``detach``, ``empty``): no data moves;
 * **softmax family** (``_softmax``, ``_safe_softmax``, ``_log_softmax`` and their backward): exponential-bound
   on CPUs; the elements of the forwards are counted (charged at the bench's measured cross-entropy rate, which is
-  per logit forward + backward), and their bytes like any other operator's;
+  per logit forward + backward), and their bytes like any other operator's. A fused (flash) attention forward
+  counts the B x H x Lq x Lk scores it takes the softmax of, as the unfused math path did, and its bytes are its
+  inputs and outputs: the scores never reach memory;
 * **everything else** (elementwise, reductions, copies, gathers, scatters, fills): the bytes of all tensor
   inputs and outputs, charged at the measured memory bandwidth.
 
@@ -38,6 +40,8 @@ from moetrain.model.config import ModelConfig
 
 GEMM_OPS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "_grouped_mm"})
 SOFTMAX_OPS = frozenset({"_softmax", "_safe_softmax", "_log_softmax"})
+FUSED_ATTENTION_OPS = frozenset({"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"})
 NO_DATA_OPS = frozenset({"detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_like", "empty_strided",
                          "new_empty", "new_empty_strided", "_to_copy_meta"})
 KINDS = ("E", "d", "t", "m", "L")
@@ -77,16 +81,15 @@ def counting_config(cfg: ModelConfig) -> ModelConfig:
 
 def counting_memory_bytes(cfg: ModelConfig, seq_len: int) -> float:
     """A generous estimate of the peak memory of counting (bytes): fp32 weights, gradients and slack of the cut
-    model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- eager attention's
-    B x H x L x L scores (about six fp32 copies live in its backward), the logits (about four copies: logits,
-    log-probabilities, their gradients), and ~200 model-width and the experts' vectors per token."""
+    model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- the logits (about four
+    copies: logits, log-probabilities, their gradients) and ~200 model-width and the experts' vectors per token.
+    Attention runs the flash kernel (linear in L, :class:`moetrain.model.attention.MLA`), so no L x L term."""
     from moetrain.accounting import count_params
 
     B, L = COUNT_BATCHES[1], seq_len
     params = count_params(counting_config(cfg)).total_with_mtp * 16.0
-    attention = 6 * 4.0 * B * cfg.n_heads * L * L
     per_token = 4.0 * (4 * cfg.vocab_size + 200 * cfg.dim + 4 * cfg.top_k * (2 * cfg.expert_ffn_dim + cfg.dim))
-    return params + attention + B * L * per_token
+    return params + B * L * per_token
 
 
 def _check_fits_for_counting(cfg: ModelConfig, seq_len: int) -> None:
@@ -141,6 +144,8 @@ def _tally_mode() -> Any:
                 return out
             if name in SOFTMAX_OPS:
                 self.softmax += args[0].numel()
+            elif name in FUSED_ATTENTION_OPS:  # q (B, H, Lq, Dqk), k (B, H, Lk, Dqk)
+                self.softmax += args[0].numel() // args[0].shape[-1] * args[1].shape[-2]
             self.bytes += nbytes((args, kwargs)) + nbytes(out)
             return out
 

@@ -877,6 +877,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
 
     # memory per pipeline rank
     opt_shard = {"fp32": 12.0, "bf16-moments": 8.0, "bf16": 6.0}[plan.optimizer]
+    if plan.precision == "fp32" and plan.optimizer == "fp32":
+        opt_shard -= 4.0  # fp32 weights are their own master copy: only the two moments remain
     # FP8 working copies of the weights: MXFP8 needs a row-wise and a column-wise (transposed) copy, each with its
     # own 1x32 scales; 128x128 block-scaled FP8 weights are transpose-symmetric, one copy serves both GEMMs
     fp8_copy = {"mxfp8": 2.0, "fp8": 1.0}.get(plan.precision, 0.0)

@@ -31,6 +31,9 @@ class TrainConfig:
         dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32".
         tensorboard: also write TensorBoard events.
         threads_per_proc: CPU threads per worker (0 = cores / workers).
+        init_from: a HF checkpoint directory (released layout: safetensors + config.json) to start from; its
+            config.json gives the model unless the model section names a preset or hf_config. Ignored when resuming
+            from a checkpoint of the run.
     """
 
     steps: int = 400
@@ -58,6 +61,7 @@ class TrainConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     tensorboard: bool = True
     threads_per_proc: int = 0
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):

@@ -25,6 +25,7 @@ import torch
 from moetrain.config import JobConfig, job_config_from_dict
 from moetrain.data import prepare_data
 from moetrain.data.prepare import PreparedData
+from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
 from moetrain.train.checkpoint import check_checkpoint_files, latest_checkpoint
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
@@ -58,7 +59,13 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
         if state.get("step", 0) >= job.train.steps:
             raise ConfigError(f"checkpoint {ckpt} is at step {state['step']} >= train.steps={job.train.steps}: "
                               f"nothing to do; raise --steps to train further")
-    elif not job.train.resume and ckpt is not None:
+    if job.train.init_from and not (job.train.resume and ckpt is not None):
+        # names and shapes, from the file headers only
+        res = check_hf_checkpoint(job.model, job.train.init_from, mtp_optional=True)
+        if res.mtp_missing:
+            print(f"[moetrain] note: {job.train.init_from} has no MTP weights (transformers saves DeepseekV3 "
+                  f"without them); the {job.model.mtp_depth} MTP module(s) start from the usual initialisation")
+    if not job.train.resume and ckpt is not None:
         raise ConfigError(f"{job.train.out_dir} already holds checkpoints (newest {ckpt.name}); pass --resume to "
                           f"continue that run, or choose a new --out")
     prep = prepare_data(job.data)
@@ -79,20 +86,34 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     return prep
 
 
-def _worker(job_dict: dict[str, Any], prep_dict: dict[str, Any]) -> dict[str, Any]:
+def _worker(job_dict: dict[str, Any], prep_dict: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
     job = job_config_from_dict(job_dict)
     if not job.train.threads_per_proc and job.train.device != "cuda":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    return run(job, PreparedData(**prep_dict))
+    return run(job, PreparedData(**prep_dict), dry_run=dry_run)
 
 
-def train_main(job: JobConfig) -> dict[str, Any] | None:
-    """Entry point of ``moetrain train``. Returns rank 0's summary (None on other torchrun ranks)."""
+def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) -> dict[str, Any] | None:
+    """Entry point of ``moetrain train``. Returns rank 0's summary (None on other torchrun ranks).
+
+    ``dry_run``: all set-up, no step, a memory report per rank. ``world`` (with ``dry_run``): the report for rank 0 of
+    a ``world``-rank layout, built on meta in this process (no data preparation, no workers).
+
+    Raises:
+        ConfigError: ``world`` without ``dry_run``, or a layout that does not fit.
+    """
+    if world is not None:
+        if not dry_run:
+            raise ConfigError("--world N describes a layout that does not exist here; it needs --dry-run")
+        if world < 1:
+            raise ConfigError(f"--world {world} must be >= 1")
+        from moetrain.train.dryrun import dry_run_world
+        return dry_run_world(job, world)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
         prep = preflight(job, world)
-        summary = _worker(job.to_dict(), dataclasses.asdict(prep))
+        summary = _worker(job.to_dict(), dataclasses.asdict(prep), dry_run)
         return summary if int(os.environ["RANK"]) == 0 else None
     nproc = default_nproc(job)
     prep = preflight(job, nproc)
@@ -103,7 +124,7 @@ def train_main(job: JobConfig) -> dict[str, Any] | None:
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                           start_method="spawn")
     try:
-        results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep))
+        results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run)
     except ChildFailedError as e:
         ckpt = latest_checkpoint(job.train.out_dir)
         hint = (f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written")

@@ -6,8 +6,9 @@ Launched by :mod:`moetrain.train.launch` (``moetrain train``) or directly by ``t
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ from moetrain.accounting import flops_per_token
 from moetrain.config import JobConfig, save_job_config
 from moetrain.data import TokenLoader, iter_eval_batches
 from moetrain.data.prepare import PreparedData
+from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
-from moetrain.parallel.parallelize import parallelize
+from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
                                        save_checkpoint)
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
@@ -58,6 +60,16 @@ def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     return state
 
 
+def keep_tokenizer(prep: PreparedData, out_dir: str) -> Path:
+    """Copy the run's tokenizer to ``out_dir/tokenizer.json`` (atomically), so exports and users find it there rather
+    than in a hashed cache folder."""
+    dst = Path(out_dir) / "tokenizer.json"
+    tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
+    shutil.copyfile(prep.tokenizer_path, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
 def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
              amp: torch.dtype | None) -> float:
     """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean)."""
@@ -75,25 +87,43 @@ def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: Parall
     return float(total[0] / total[1].clamp(min=1))
 
 
-def run(job: JobConfig, prep: PreparedData) -> dict[str, Any]:
-    """Train ``job`` on prepared data; returns the summary (rank 0's view). Called on every worker."""
+def run(job: JobConfig, prep: PreparedData, dry_run: bool = False) -> dict[str, Any]:
+    """Train ``job`` on prepared data; returns the summary (rank 0's view). Called on every worker. ``dry_run`` does
+    all set-up (mesh, meta build, parallelize, materialise, ``train.init_from``), reports memory, runs no step."""
     tc = job.train
     if tc.threads_per_proc:
         torch.set_num_threads(tc.threads_per_proc)
     ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
     try:
-        return _run(job, prep, ctx)
+        return _run(job, prep, ctx, dry_run)
     finally:
         shutdown()
 
 
-def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, Any]:
+def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
+                        init_from: str | None = None) -> Transformer:
+    """The model of ``job`` on ``ctx``'s layout at any size: built on the meta device, parallelized, then only this
+    rank's shards are allocated and initialised (name-seeded, so the weights equal a single process's), and, with
+    ``init_from`` (a HF checkpoint directory), overwritten from it, each rank reading only its own boxes."""
+    model = build_model(job.model, device="meta")
+    parallelize(model, ctx, param_dtype=amp if ctx.device.type == "cuda" else None)
+    materialize(model, ctx, seed=job.train.seed)
+    if init_from:
+        load_hf_checkpoint(model, init_from, mtp_optional=True)
+    return model
+
+
+def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool = False) -> dict[str, Any]:
     tc, cfg = job.train, job.model
     check_same_config(ctx, job.to_dict())
     amp = autocast_dtype(job, ctx.device)
-    model = build_model(cfg, device=ctx.device, seed=tc.seed)
-    parallelize(model, ctx)
+    # A resumed checkpoint supersedes the initial weights, so they are not read at all then.
+    resuming = tc.resume and latest_checkpoint(tc.out_dir) is not None
+    model = build_sharded_model(job, ctx, amp, init_from=None if resuming else tc.init_from)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    if dry_run:
+        from moetrain.train.dryrun import report_dry_run
+        return report_dry_run(job, ctx, model)
     loader = TokenLoader(prep.train_path, job.data.seq_len, tc.micro_batch_size, ctx.rank, ctx.world_size,
                          seed=job.data.seed)
     start_step, last_ckpt = 0, None
@@ -110,6 +140,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
     sink = MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step) if ctx.is_main else None
     if sink:
         save_job_config(job, Path(tc.out_dir) / "config.toml")
+        keep_tokenizer(prep, tc.out_dir)
 
     fpt = flops_per_token(cfg, job.data.seq_len)
     peak_tflops, peak_label = device_peak(ctx.device, amp)
@@ -117,7 +148,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext) -> dict[str, 
     if sink:
         sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | DP={ctx.pcfg.dp} EP={ctx.pcfg.ep} "
                    f"dispatcher={ctx.pcfg.dispatcher_kind} | model {job.preset}: "
-                   f"{sum(p.numel() for p in model.parameters()):,} params on rank 0 | {tokens_per_step:,} tokens/step "
+                   f"{local_numel(model):,} params on rank 0 | {tokens_per_step:,} tokens/step "
                    f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak_tflops:.3f} TFLOP/s "
                    f"({peak_label})")
         sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": ctx.pcfg.dp,

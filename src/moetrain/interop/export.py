@@ -1,0 +1,115 @@
+"""``moetrain export``: a run's DCP checkpoint -> the released HF layout, without materialising the model.
+
+The checkpoint holds every tensor under its global shape, saved as the ranks' boxes. The exporter builds the model on
+the meta device only for its names and shapes (:func:`moetrain.interop.hf.hf_specs`), then writes the safetensors
+shards one at a time (:func:`moetrain.interop.hf.write_hf_checkpoint`); each shard's tensors are read with one
+:func:`moetrain.interop.dcp_read.read_boxes` call, the per-expert tensors of one stacked expert weight as one box
+covering the shard's experts (so a saved chunk is deserialised once per shard, not once per expert). Peak memory: one
+output shard plus one saved chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from moetrain.interop.dcp_read import BoxRequest, DCPKeyError, checkpoint_tensors, read_boxes
+from moetrain.interop.hf import CheckpointError, HFSpec, hf_specs, write_hf_checkpoint
+from moetrain.model.config import ModelConfig
+from moetrain.model.transformer import build_model
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path:
+    """The complete checkpoint of ``run_dir`` at ``step`` (default: the newest).
+
+    Raises:
+        CheckpointError: no complete checkpoint (at that step), naming the ones there are.
+    """
+    from moetrain.train.checkpoint import STEP_DIR, checkpoint_dir, latest_checkpoint
+
+    root = checkpoint_dir(run_dir)
+    done = sorted(int(STEP_DIR.match(p.name).group(1)) for p in root.glob("step_*")
+                  if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()) if root.is_dir() else []
+    if step is None:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise CheckpointError(f"{run_dir} has no complete checkpoint under {root}; is it a run directory of "
+                                  f"`moetrain train --out`?")
+        return ckpt
+    if step not in done:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint at step {step}; complete steps: {done}")
+    return root / f"step_{step:08d}"
+
+
+def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+               dtype: torch.dtype | None = None, max_shard_bytes: float = 5e9, overwrite: bool = False) -> Path:
+    """Write the HF checkpoint of ``run_dir``'s checkpoint (newest, or ``step``) to ``out_dir``: sharded safetensors,
+    index, config.json (MTP layers under ``model.layers.{n_layers}``, as released) and the run's tokenizer.json.
+
+    Args:
+        dtype: cast floating tensors (the router bias stays fp32); None keeps the trained fp32 values exactly.
+
+    Raises:
+        CheckpointError: no such checkpoint, one without the model config, or one of an older layout.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+    """
+    ckpt = find_checkpoint(run_dir, step)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "model_config" not in state:
+        raise CheckpointError(f"{ckpt}/trainer_state.json has no model_config; it was not written by moetrain train")
+    cfg = ModelConfig.from_dict(state["model_config"])
+    model = build_model(cfg, device="meta")
+    specs = hf_specs(model, dtype)
+    stored = checkpoint_tensors(ckpt)
+    missing = sorted({f"model.{s.name}" for s in specs} - set(stored))
+    if missing:
+        raise CheckpointError(f"{ckpt} lacks {len(missing)} model tensor(s) under their global names (e.g. "
+                              f"{missing[:3]}): it was written by an older moetrain layout; resume it for one step "
+                              f"with --resume and export the checkpoint that writes")
+
+    def fetch(shard: list[HFSpec]) -> dict[str, torch.Tensor]:
+        return _read_shard(ckpt, shard)
+
+    tok = Path(run_dir) / "tokenizer.json"
+    extra = {"tokenizer.json": tok} if tok.is_file() else {}
+    if not extra:
+        print(f"[moetrain] note: {tok} not found; the export has no tokenizer")
+    saved_dtype = dtype or torch.float32
+    return write_hf_checkpoint(cfg, specs, fetch, out_dir, max_shard_bytes, saved_dtype, overwrite, extra)
+
+
+def _read_shard(ckpt: Path, shard: list[HFSpec]) -> dict[str, torch.Tensor]:
+    """The tensors of one output shard. Whole tensors are read as they are; the per-expert tensors of each stacked
+    expert weight through one box over the experts this shard holds."""
+    out: dict[str, torch.Tensor] = {}
+    requests: list[BoxRequest] = []
+    stacked: dict[str, list[HFSpec]] = {}
+    for sp in shard:
+        if len(sp.region) == len(sp.shape):  # a whole tensor
+            dest = torch.empty(sp.shape, dtype=sp.dtype)
+            requests.append(BoxRequest(f"model.{sp.name}", sp.region, dest))
+            out[sp.hf_name] = dest
+        else:
+            stacked.setdefault(sp.name, []).append(sp)
+    boxes = {}
+    for name, sps in stacked.items():
+        e0, e1 = min(s.region[0] for s in sps), max(s.region[0] for s in sps) + 1
+        full = checkpoint_tensors(ckpt)[f"model.{name}"].shape
+        box = torch.empty((e1 - e0, *full[1:]), dtype=sps[0].dtype)
+        requests.append(BoxRequest(f"model.{name}", (e0,) + (0,) * (len(full) - 1), box))
+        boxes[name] = (e0, box)
+    try:
+        read_boxes(ckpt, requests)
+    except DCPKeyError as e:
+        raise CheckpointError(f"{ckpt}: {e}") from None
+    for name, sps in stacked.items():
+        e0, box = boxes[name]
+        for sp in sps:
+            e, r = sp.region[0], sp.region[1]
+            out[sp.hf_name] = box[e - e0, r:r + sp.shape[0]].clone()
+    return {sp.hf_name: out[sp.hf_name] for sp in shard}
