@@ -4,17 +4,15 @@ mesh carries the configured timeout."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 from moetrain.model.transformer import build_model
-from moetrain.parallel.parallelize import full_state_dict
-from moetrain.parallel.mesh import ParallelContext
 
 from .harness import run_ranks
-from .workers import (hang_in_dispatch_dp_ep_run, meta_build_run, mesh_timeouts_run, tiny_test_config)
+from .workers import (hang_in_dispatch_dp_ep_run, meta_build_run, mesh_timeouts_run, mixed_precision_run,
+                      tiny_test_config)
 
 pytestmark = pytest.mark.dist
 
@@ -98,3 +96,11 @@ def test_hang_at_dp2_ep2_ends_with_the_phase_named():
     results = run_ranks(4, hang_in_dispatch_dp_ep_run, timeout=90)
     status, msg = results[0]
     assert status == "error" and "dispatch" in msg and "CollectiveError" in msg, msg
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_masters():
+    """What ``moetrain train`` asks of FSDP2 on GPU (bf16 all-gather and compute, fp32 gradient reduction), run on
+    gloo: the stored shards and the gradients stay fp32."""
+    for r in _ok(run_ranks(2, mixed_precision_run)):
+        assert r["compute"] == "torch.bfloat16"
+        assert r["stored"] == r["grad"] == r["expert_stored"] == r["expert_grad"] == "torch.float32"

@@ -282,3 +282,26 @@ def meta_build_run(pcfg_kwargs: dict, init_from: str | None = None, tokens: torc
         with torch.no_grad():
             out["logits"] = model(tokens, return_logits=True).logits_BLV
     return out
+
+
+def mixed_precision_run() -> dict:
+    """One forward + backward with FSDP2 mixed precision (bf16 parameters for compute, fp32 reduction): the dtypes
+    each stage sees."""
+    from moetrain.model.transformer import build_model as _build
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(ep=2), cfg.n_routed_experts, device="cpu")
+    model = _build(cfg, seed=0)
+    parallelize(model, ctx, param_dtype=torch.bfloat16)
+    seen = {}
+
+    def hook(mod, args):
+        seen.setdefault("compute", str(mod.weight.dtype))
+    model.layers[0].self_attn.o_proj.register_forward_pre_hook(hook)
+    tokens = global_batch(0, cfg.vocab_size)[ctx.rank * 4:(ctx.rank + 1) * 4]
+    out = model(tokens[:, :-1], tokens[:, 1:])
+    out.lm_loss_sum.backward()
+    p = model.layers[0].self_attn.o_proj.weight
+    e = model.moe_layers()[0].experts.w13_E2FD
+    return {"compute": seen["compute"], "stored": str(p.dtype), "grad": str(p.grad.dtype),
+            "expert_stored": str(e.dtype), "expert_grad": str(e.grad.dtype), "loss": float(out.lm_loss_sum.detach())}
