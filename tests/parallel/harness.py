@@ -68,3 +68,10 @@ def run_single(fn: Callable, *args: Any) -> Any:
         return fn(*args)
     finally:
         os.environ.update(saved)
+
+
+def ok_values(results: list[tuple[str, Any]]) -> list[Any]:
+    """The values of :func:`run_ranks`' results, failing the test with the rank's error if any rank failed."""
+    for status, value in results:
+        assert status == "ok", value
+    return [v for _, v in results]

@@ -4,23 +4,16 @@ mesh carries the configured timeout."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from moetrain.model.transformer import build_model
 
-from .harness import run_ranks
-from .workers import (hang_in_dispatch_dp_ep_run, meta_build_run, mesh_timeouts_run, mixed_precision_run,
+from .harness import ok_values, run_ranks
+from .workers import (hang_in_dispatch_run, meta_build_run, mesh_timeouts_run, mixed_precision_run,
                       tiny_test_config)
 
 pytestmark = pytest.mark.dist
-
-
-def _ok(results):
-    for status, value in results:
-        assert status == "ok", value
-    return [v for _, v in results]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +25,7 @@ def single():
 
 @pytest.mark.parametrize("dp,ep", [(2, 1), (1, 2), (2, 2), (1, 4)])
 def test_meta_build_equals_single_process_weights(single, dp, ep):
-    ranks = _ok(run_ranks(dp * ep, meta_build_run, {"ep": ep}))
+    ranks = ok_values(run_ranks(dp * ep, meta_build_run, {"ep": ep}))
     total = sum(t.numel() for n, t in single.items() if not n.endswith("expert_bias"))
     for r in ranks:
         assert r["params"].keys() == single.keys()
@@ -82,18 +75,18 @@ def test_init_from_hf_at_ep2_gives_hf_logits(tmp_path):
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = hf(tokens).logits
-    ranks = _ok(run_ranks(2, meta_build_run, {"ep": 2}, str(path), tokens))
+    ranks = ok_values(run_ranks(2, meta_build_run, {"ep": 2}, str(path), tokens))
     for r in ranks:
         torch.testing.assert_close(r["logits"], want, atol=1e-4, rtol=0)
 
 
 def test_every_mesh_group_carries_the_timeout():
-    for r in _ok(run_ranks(4, mesh_timeouts_run)):
+    for r in ok_values(run_ranks(4, mesh_timeouts_run)):
         assert r == {"pp": 7.0, "dp": 7.0, "ep": 7.0, "dp_ep": 7.0}, r
 
 
 def test_hang_at_dp2_ep2_ends_with_the_phase_named():
-    results = run_ranks(4, hang_in_dispatch_dp_ep_run, timeout=90)
+    results = run_ranks(4, hang_in_dispatch_run, timeout=90)
     status, msg = results[0]
     assert status == "error" and "dispatch" in msg and "CollectiveError" in msg, msg
 
@@ -101,6 +94,6 @@ def test_hang_at_dp2_ep2_ends_with_the_phase_named():
 def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_masters():
     """What ``moetrain train`` asks of FSDP2 on GPU (bf16 all-gather and compute, fp32 gradient reduction), run on
     gloo: the stored shards and the gradients stay fp32."""
-    for r in _ok(run_ranks(2, mixed_precision_run)):
+    for r in ok_values(run_ranks(2, mixed_precision_run)):
         assert r["compute"] == "torch.bfloat16"
         assert r["stored"] == r["grad"] == r["expert_stored"] == r["expert_grad"] == "torch.float32"

@@ -8,8 +8,8 @@ import torch
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
-from .harness import run_ranks, run_single
-from .test_expert_parallel import ADAM_EPS, _ok
+from .harness import ok_values, run_ranks, run_single
+from .test_expert_parallel import ADAM_EPS
 from .workers import (DEDUP_E, DEDUP_K, a2a_calls_run, dedup_expert_reference, dedup_inputs, dedup_rows_run,
                       moe_layer_run, train_run)
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_dedup_sends_one_row_per_token_and_rank(overlap):
-    ranks = _ok(run_ranks(2, dedup_rows_run, overlap))
+    ranks = ok_values(run_ranks(2, dedup_rows_run, overlap))
     El = DEDUP_E // 2
     for src, r in enumerate(ranks):
         x_TD, idx_TK, w_TK, W_EDD = dedup_inputs(src)
@@ -58,8 +58,8 @@ def test_dedup_and_per_assignment_layers_agree_and_dedup_sends_fewer_rows():
     ref = run_single(moe_layer_run, {}, 24, 0.5)
     # (test_local_and_alltoall_dispatchers_agree covers the default, dedup, path with overlap off as well.)
     for extra in ({}, {"n_chunks": 2}):
-        dedup = _ok(run_ranks(2, moe_layer_run, {"ep": 2, **extra}, 24, 0.5))
-        plain = _ok(run_ranks(2, moe_layer_run, {"ep": 2, "dedup": False, **extra}, 24, 0.5))
+        dedup = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, **extra}, 24, 0.5))
+        plain = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, "dedup": False, **extra}, 24, 0.5))
         for run, label in ((dedup, "dedup"), (plain, "per assignment")):
             torch.testing.assert_close(torch.cat([r["y"] for r in run]), ref["y"],
                                        msg=lambda m, lb=label: f"{lb} {extra}: {m}")
@@ -74,8 +74,8 @@ def test_dedup_and_per_assignment_layers_agree_and_dedup_sends_fewer_rows():
 
 def test_all_tokens_to_one_rank_send_one_row_each():
     """All tokens pick experts 0..K-1 (rank 0): rank 0 sends nothing to rank 1; rank 1 sends each token once."""
-    ranks = _ok(run_ranks(2, train_run, {"ep": 2}, 1, 2, None, True, ADAM_EPS))
-    plain = _ok(run_ranks(2, train_run, {"ep": 2, "dedup": False}, 1, 2, None, True, ADAM_EPS))
+    ranks = ok_values(run_ranks(2, train_run, {"ep": 2}, 1, 2, None, True, ADAM_EPS))
+    plain = ok_values(run_ranks(2, train_run, {"ep": 2, "dedup": False}, 1, 2, None, True, ADAM_EPS))
     tokens_per_rank_per_step = 4 * 32  # GLOBAL_SEQS / 2 ranks x SEQ_LEN
     K = 4
     for layer, layer_plain in zip(ranks[0]["comm"], plain[0]["comm"]):
@@ -104,5 +104,5 @@ def test_all_to_all_calls_per_layer_match_the_declared_counts(dedup):
     from moetrain.parallel.dispatch import AllToAllDispatcher
 
     want = AllToAllDispatcher.CALLS_DEDUP if dedup else AllToAllDispatcher.CALLS_PER_ASSIGNMENT
-    for fwd_bwd in _ok(run_ranks(2, a2a_calls_run, {"ep": 2, "dedup": dedup})):
+    for fwd_bwd in ok_values(run_ranks(2, a2a_calls_run, {"ep": 2, "dedup": dedup})):
         assert tuple(fwd_bwd) == want

@@ -8,7 +8,7 @@ import torch
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
-from .harness import run_ranks, run_single
+from .harness import ok_values, run_ranks, run_single
 from .workers import (hang_in_dispatch_run, mismatched_config_run, moe_layer_run, tiny_test_config, train_run)
 
 pytestmark = pytest.mark.dist
@@ -19,11 +19,6 @@ pytestmark = pytest.mark.dist
 # the raw gradients with the default eps.
 ADAM_EPS = 1e-5
 
-
-def _ok(results):
-    for status, value in results:
-        assert status == "ok", value
-    return [v for _, v in results]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +31,7 @@ def reference():
 @pytest.mark.parametrize("dp,ep,dedup", [(2, 1, True), (1, 2, True), (2, 2, True), (1, 4, True),
                                          (1, 2, False), (1, 4, False)])
 def test_training_matches_single_process(reference, dp, ep, dedup):
-    ranks = _ok(run_ranks(dp * ep, train_run, {"ep": ep, "dedup": dedup}, 3, 2, None, False, ADAM_EPS))
+    ranks = ok_values(run_ranks(dp * ep, train_run, {"ep": ep, "dedup": dedup}, 3, 2, None, False, ADAM_EPS))
     for r in ranks:
         for got, want in zip(r["losses"], reference["losses"]):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], reference["losses"])
@@ -56,7 +51,7 @@ def test_training_matches_single_process(reference, dp, ep, dedup):
 def test_local_and_alltoall_dispatchers_agree():
     ref = run_single(moe_layer_run, {}, 24, 0.5)
     for kwargs in ({"ep": 2}, {"ep": 2, "overlap": False}, {"ep": 2, "n_chunks": 2}, {"ep": 1, "dispatcher": "alltoall"}):
-        ranks = _ok(run_ranks(2, moe_layer_run, kwargs, 24, 0.5))
+        ranks = ok_values(run_ranks(2, moe_layer_run, kwargs, 24, 0.5))
         y = torch.cat([r["y"] for r in ranks])
         torch.testing.assert_close(y, ref["y"], msg=lambda m: f"{kwargs}: {m}")
         torch.testing.assert_close(torch.cat([r["x_grad"] for r in ranks]), ref["x_grad"])
@@ -65,8 +60,8 @@ def test_local_and_alltoall_dispatchers_agree():
 
 
 def test_overlap_on_off_identical_and_measured():
-    on = _ok(run_ranks(2, train_run, {"ep": 2, "overlap": True}, 2, 2, None, False, ADAM_EPS))
-    off = _ok(run_ranks(2, train_run, {"ep": 2, "overlap": False}, 2, 2, None, False, ADAM_EPS))
+    on = ok_values(run_ranks(2, train_run, {"ep": 2, "overlap": True}, 2, 2, None, False, ADAM_EPS))
+    off = ok_values(run_ranks(2, train_run, {"ep": 2, "overlap": False}, 2, 2, None, False, ADAM_EPS))
     assert on[0]["losses"] == off[0]["losses"]
     for name, t in on[0]["params"].items():
         assert torch.equal(t, off[0]["params"][name]), name
@@ -81,7 +76,7 @@ def test_overlap_on_off_identical_and_measured():
 
 def test_all_tokens_to_one_rank():
     ref = run_single(train_run, {}, 2, 2, None, True, ADAM_EPS)
-    ranks = _ok(run_ranks(2, train_run, {"ep": 2}, 2, 2, None, True, ADAM_EPS))
+    ranks = ok_values(run_ranks(2, train_run, {"ep": 2}, 2, 2, None, True, ADAM_EPS))
     loads = ranks[0]["stats"][0]["loads"]
     half = loads.shape[1] // 2
     assert loads[:, half:].sum() == 0 and loads[:, :half].sum() > 0  # rank 1's experts got nothing
@@ -97,7 +92,7 @@ def test_capacity_mode_matches_reference(policy):
     # Capacity is computed per dispatch call from the local tokens, so the reference uses micro-batches of the
     # same size as each rank's (accumulation 4 on one process = 2 ranks x accumulation 2).
     ref = run_single(train_run, pc, 2, 4, None, False, ADAM_EPS)
-    ranks = _ok(run_ranks(2, train_run, {"ep": 2, **pc}, 2, 2, None, False, ADAM_EPS))
+    ranks = ok_values(run_ranks(2, train_run, {"ep": 2, **pc}, 2, 2, None, False, ADAM_EPS))
     dropped = [s["dropped"] for s in ranks[0]["stats"]]
     assert dropped == [s["dropped"] for s in ref["stats"]]
     assert all(d > 0 for d in dropped), "capacity factor 1.0 should drop tokens with learned routing"
@@ -109,8 +104,8 @@ def test_capacity_mode_matches_reference(policy):
 
 def test_capacity_padding_gives_same_result():
     ref = run_single(moe_layer_run, {"capacity_factor": 1.0}, 24, 0.5)
-    padded = _ok(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0, "pad_to_capacity": True}, 24, 0.5))
-    unpadded = _ok(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0}, 24, 0.5))
+    padded = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0, "pad_to_capacity": True}, 24, 0.5))
+    unpadded = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, "capacity_factor": 1.0}, 24, 0.5))
     torch.testing.assert_close(torch.cat([r["y"] for r in padded]), torch.cat([r["y"] for r in unpadded]))
     assert sum(r["dropped"] for r in padded) > 0 and [r["dropped"] for r in padded] == [r["dropped"] for r in unpadded]
 
