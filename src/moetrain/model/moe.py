@@ -162,7 +162,8 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
         x_SK, w_ENK, offs_E = ctx.saved_tensors
-        grad_SN = grad_SN.contiguous()
+        # autograd runs backward outside autocast: the incoming gradient may be in another dtype than the operands
+        grad_SN = grad_SN.to(x_SK.dtype).contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E)
@@ -195,7 +196,7 @@ class _BatchedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_ECN: torch.Tensor):  # type: ignore[override]
         x_ECK, w_ENK = ctx.saved_tensors
-        grad_ECN = grad_ECN.contiguous()
+        grad_ECN = grad_ECN.to(x_ECK.dtype).contiguous()  # see _GroupedMM.backward
         grad_x = torch.bmm(grad_ECN, w_ENK) if ctx.needs_input_grad[0] else None
         grad_w = torch.bmm(grad_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
@@ -338,8 +339,11 @@ def _swiglu(h13_X2F: torch.Tensor) -> torch.Tensor:
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
+    """The dtype the expert GEMMs run in: the autocast dtype of ``x``'s device when autocast is on there (CPU bf16
+    autocast included), else ``x``'s own. Operands are cast to it explicitly, so forward and backward GEMMs see the
+    same dtypes whether or not autocast is active when they run."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
 
