@@ -9,7 +9,8 @@ from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
 from .harness import ok_values, run_ranks, run_single
-from .workers import (hang_in_dispatch_run, mismatched_config_run, moe_layer_run, tiny_test_config, train_run)
+from .workers import (hang_in_dispatch_run, mismatched_config_run, moe_layer_run, stall_in_dense_layer_run,
+                      tiny_test_config, train_run)
 
 pytestmark = pytest.mark.dist
 
@@ -128,3 +129,9 @@ def test_hanging_collective_names_the_phase():
     results = run_ranks(2, hang_in_dispatch_run, timeout=60)
     status, msg = results[0]
     assert status == "error" and "dispatch" in msg and "CollectiveError" in msg, msg
+
+
+def test_stall_in_a_dense_layer_names_the_forward_phase():
+    results = run_ranks(2, stall_in_dense_layer_run, timeout=90)
+    status, msg = results[0]
+    assert status == "error" and "CollectiveError" in msg and "during forward" in msg, msg

@@ -279,3 +279,20 @@ def mixed_precision_run() -> dict:
     e = model.moe_layers()[0].experts.w13_E2FD
     return {"compute": seen["compute"], "stored": str(p.dtype), "grad": str(p.grad.dtype),
             "expert_stored": str(e.dtype), "expert_grad": str(e.grad.dtype), "loss": float(out.lm_loss_sum.detach())}
+
+
+def stall_in_dense_layer_run() -> str:
+    """DP=2 under FSDP2: rank 1 stalls inside the first (dense) layer's forward, so rank 0 waits in the next FSDP
+    parameter all-gather; its error must name the forward phase, not be a raw gloo message."""
+    import time
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(ep=1, timeout_s=3), cfg.n_routed_experts)
+    model = build_model(cfg, seed=0)
+    parallelize(model, ctx)
+    if ctx.rank == 1:
+        model.layers[0].mlp.register_forward_pre_hook(lambda *_: time.sleep(10))
+    opt = build_optimizer(model, lr=1e-3)
+    data = global_batch(0, cfg.vocab_size)[ctx.rank * 4:(ctx.rank + 1) * 4]
+    train_step(model, opt, [(data[:, :-1], data[:, 1:])], cfg, ctx)
+    return "no error"

@@ -11,8 +11,9 @@ caller spent blocked in ``wait()``. With nothing to overlap the two are equal.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,21 @@ def name_collective_error(phase: str, e: BaseException) -> CollectiveError:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return CollectiveError(f"rank {rank}: collective during {phase} {kind} ({type(e).__name__}: {e}). A peer rank may"
                            f" have crashed or diverged; check the other ranks' logs.")
+
+
+@contextmanager
+def named_phase(phase: str, distributed: bool = True) -> Iterator[None]:
+    """Re-raise a collective failure inside the block (FSDP's all-gathers and reduce-scatters, any torch.distributed
+    call) as a :class:`CollectiveError` naming ``phase``; errors that are not communication failures pass through.
+    A CollectiveError raised deeper (it already names its phase, e.g. dispatch) is kept as it is."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        if distributed and any(w in str(e).lower() for w in ("timed out", "timeout", "connection", "gloo", "nccl")):
+            raise name_collective_error(phase, e) from e
+        raise
 
 
 @dataclass

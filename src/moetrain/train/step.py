@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import IGNORE_INDEX, Transformer
-from moetrain.parallel.comm import CollectiveError, name_collective_error
+from moetrain.parallel.comm import name_collective_error, named_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
 
@@ -110,20 +110,15 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
         last = i == len(micro_batches) - 1
         if ctx.distributed and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        with named_phase("forward (FSDP parameter all-gather or expert dispatch)", ctx.distributed), \
+                torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out = model(x, y)
         lm = out.lm_loss_sum / n_tok
         mtp = sum((s / n for s, n in zip(out.mtp_loss_sums, n_mtp)), torch.zeros((), device=device)) / max(depth, 1)
         bal = (out.balance_loss_sum if out.balance_loss_sum is not None else torch.zeros((), device=device)) / n_seq
         loss = lm + cfg.mtp_loss_weight * mtp + cfg.balance_loss_alpha * bal
-        try:
+        with named_phase("backward / gradient sync", ctx.distributed):
             loss.float().backward()
-        except CollectiveError:
-            raise
-        except RuntimeError as e:
-            if ctx.distributed and any(w in str(e).lower() for w in ("timed out", "timeout", "connection")):
-                raise name_collective_error("backward / gradient sync", e) from e
-            raise
         terms += torch.stack([lm.detach(), mtp.detach(), bal.detach()]).double()
         if out.moe_stats:
             loads += torch.stack([s.tokens_per_expert_E for s in out.moe_stats])

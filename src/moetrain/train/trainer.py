@@ -21,6 +21,7 @@ from moetrain.data import TokenLoader, iter_eval_batches
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.transformer import Transformer, build_model
+from moetrain.parallel.comm import named_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
@@ -78,7 +79,8 @@ def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: Parall
     with torch.no_grad():
         for x, y in iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size,
                                       ctx.rank, ctx.world_size, job.train.eval_batches):
-            with torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
+            with named_phase("evaluation forward", ctx.distributed), \
+                    torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
                 out = model(x.to(ctx.device), y.to(ctx.device))
             total += torch.stack([out.lm_loss_sum.double(), out.n_loss_tokens.double()])
     if ctx.distributed:
