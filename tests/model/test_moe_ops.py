@@ -436,3 +436,26 @@ def test_experts_train_under_cpu_bf16_autocast(counts):
     for g, r in zip(got, ref):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, r, rtol=0.05, atol=0.05 * r.abs().max().item())
+
+
+def test_padding_positions_do_not_count_in_loads_or_balance_loss():
+    """Positions labelled IGNORE_INDEX are computed but not counted: the expert loads (which steer the bias update)
+    and the sequence-wise balance loss of a padded sequence equal those of the same sequence without its padding
+    (causal attention keeps the padding from changing the real tokens' routing)."""
+    from moetrain.model import IGNORE_INDEX
+
+    cfg = get_preset("tiny").replace(vocab_size=256, balance_loss_alpha=1e-2)
+    model = build_model(cfg, seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (1, 12), generator=g)
+    labels = torch.randint(0, 256, (1, 12), generator=g)
+    padded = labels.clone()
+    padded[:, 7:] = IGNORE_INDEX
+    with torch.no_grad():
+        full = model(tokens, padded)
+        cut = model(tokens[:, :7], labels[:, :7])
+    for a, b in zip(full.moe_stats, cut.moe_stats):
+        assert torch.equal(a.tokens_per_expert_E, b.tokens_per_expert_E)
+        torch.testing.assert_close(a.balance_loss_sum, b.balance_loss_sum, rtol=1e-5, atol=1e-7)
+    n_main = sum(isinstance(b.mlp, MoE) for b in model.layers)
+    assert all(int(s.tokens_per_expert_E.sum()) == 7 * cfg.top_k for s in full.moe_stats[:n_main])

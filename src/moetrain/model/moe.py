@@ -102,22 +102,27 @@ def balanced_assignment(T: int, K: int, E: int, device: torch.device | None = No
     return (torch.arange(T * K, device=device) % E).view(T, K)
 
 
-def sequence_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_seqs: int) -> torch.Tensor:
+def sequence_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_seqs: int,
+                          valid_T: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-wise balance loss, summed over sequences (DeepSeek-V3 report, eqs. 17-20), without alpha.
 
     For each sequence of L tokens: f_i = E / (K L) * #{t : i in topk(t)}, P_i = mean_t s_{i,t} / sum_j s_{j,t},
     loss = sum_i f_i P_i. The selection counted is the final one (after group limiting and bias). Returns a scalar
     fp32 tensor: the sum over the ``n_seqs`` sequences (tokens are laid out sequence-major, T = n_seqs * L), so the
-    caller can normalise by the global number of sequences.
+    caller can normalise by the global number of sequences. ``valid_T`` (bool): only these tokens count -- L is then
+    a sequence's number of valid tokens, and a sequence without any contributes 0 (padding is not text, and the
+    report's statistics are over a sequence's tokens).
     """
     T, E = scores_TE.shape
     K = topk_idx_TK.shape[1]
     L = T // n_seqs
+    w_T = (torch.ones(T, device=scores_TE.device) if valid_T is None else valid_T.to(torch.float32))
+    n_B = w_T.view(n_seqs, L).sum(dim=1, keepdim=True).clamp(min=1)
     sel_BE = torch.zeros(n_seqs, E, device=scores_TE.device, dtype=torch.float32)
-    sel_BE.scatter_add_(1, topk_idx_TK.view(n_seqs, L * K),
-                        torch.ones(n_seqs, L * K, device=scores_TE.device, dtype=torch.float32))
-    f_BE = sel_BE * (E / (K * L))
-    p_BE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True)).view(n_seqs, L, E).mean(dim=1)
+    sel_BE.scatter_add_(1, topk_idx_TK.view(n_seqs, L * K), w_T.view(n_seqs, L, 1).expand(n_seqs, L, K)
+                        .reshape(n_seqs, L * K))
+    f_BE = sel_BE * (E / K) / n_B
+    p_BE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True) * w_T.unsqueeze(-1)).view(n_seqs, L, E).sum(dim=1) / n_B
     return (f_BE * p_BE).sum()
 
 
@@ -539,7 +544,8 @@ class MoEStats:
 class MoE(nn.Module):
     """DeepSeekMoE FFN: routed experts chosen by :class:`Router` plus always-on shared experts.
 
-    forward(x_BLD) -> (y_BLD, MoEStats). ``dispatcher`` defaults to :class:`LocalDispatcher`; ``n_chunks > 1`` splits
+    forward(x_BLD, valid_BL=None) -> (y_BLD, MoEStats); ``valid_BL`` (bool) marks the tokens that count in the expert
+    loads and the balance loss (padding, label -100, does not). ``dispatcher`` defaults to :class:`LocalDispatcher`; ``n_chunks > 1`` splits
     the tokens into chunks whose dispatch/combine overlap the other chunks' expert GEMMs (useful with an
     asynchronous all-to-all dispatcher). Dropless results are identical to n_chunks = 1; in capacity mode each chunk
     is a dispatch of its own, so capacity is computed per chunk, as it is per micro-batch.
@@ -555,14 +561,21 @@ class MoE(nn.Module):
         self.n_chunks = 1
         self.compute_balance_loss = cfg.balance_loss_alpha > 0
 
-    def forward(self, x_BLD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x_BLD: torch.Tensor, valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(B * L, D)
         r = self.gate(x_TD)
+        valid_T = valid_BL.reshape(B * L) if valid_BL is not None else None
         with torch.no_grad():
-            counts_E = torch.bincount(r.topk_idx_TK.reshape(-1), minlength=self.gate.n_experts)
+            idx = r.topk_idx_TK.reshape(-1)
+            if valid_T is None:
+                counts_E = torch.bincount(idx, minlength=self.gate.n_experts)
+            else:  # padding is routed (shapes stay static) but not counted in the loads that steer the biases
+                keep = valid_T.unsqueeze(1).expand_as(r.topk_idx_TK).reshape(-1).long()
+                counts_E = torch.zeros(self.gate.n_experts, dtype=torch.long, device=idx.device).scatter_add_(
+                    0, idx, keep)
         if self.compute_balance_loss:
-            balance = sequence_balance_loss(r.scores_TE, r.topk_idx_TK, B)
+            balance = sequence_balance_loss(r.scores_TE, r.topk_idx_TK, B, valid_T)
         else:
             balance = x_TD.new_zeros((), dtype=torch.float32)
 

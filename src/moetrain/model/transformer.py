@@ -26,7 +26,8 @@ IGNORE_INDEX = -100
 class Block(nn.Module):
     """Pre-norm transformer block: x + MLA(norm(x)), then + FFN(norm(x)) with a dense SwiGLU or an MoE FFN.
 
-    forward(x_BLD, cos, sin) -> (x_BLD, MoEStats or None). Names match the released checkpoint (``self_attn``,
+    forward(x_BLD, cos, sin, valid_BL=None) -> (x_BLD, MoEStats or None); ``valid_BL`` marks the tokens that count in
+    an MoE layer's statistics. Names match the released checkpoint (``self_attn``,
     ``mlp``, ``input_layernorm``, ``post_attention_layernorm``).
     """
 
@@ -38,20 +39,20 @@ class Block(nn.Module):
         self.mlp: nn.Module = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
         self.recompute = False  # activation checkpointing, switched on by parallelize()
 
-    def forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, MoEStats | None]:
+    def forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
         if self.recompute and torch.is_grad_enabled():
             # Non-reentrant checkpoint: MoE stats come from this first forward; the recomputation in backward is
             # discarded, so expert loads are counted once (auxiliary-loss-free balancing is unaffected).
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BLD, cos, sin, use_reentrant=False)
-        return self._forward(x_BLD, cos, sin)
+            return torch.utils.checkpoint.checkpoint(self._forward, x_BLD, cos, sin, valid_BL, use_reentrant=False)
+        return self._forward(x_BLD, cos, sin, valid_BL)
 
-    def _forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, MoEStats | None]:
+    def _forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
         x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), cos, sin)
         h = self.post_attention_layernorm(x_BLD)
         if isinstance(self.mlp, MoE):
-            y, stats = self.mlp(h)
+            y, stats = self.mlp(h, valid_BL)
             return x_BLD + y, stats
         return x_BLD + self.mlp(h), None
 
@@ -71,10 +72,10 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, moe=True)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, h_BLD: torch.Tensor, emb_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, MoEStats | None]:
+    def forward(self, h_BLD: torch.Tensor, emb_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
         x = self.eh_proj(torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1))
-        return self.block(x, cos, sin)
+        return self.block(x, cos, sin, valid_BL)
 
 
 @dataclass
@@ -160,8 +161,11 @@ class Transformer(nn.Module):
         emb_BLD = self.embed_tokens(tokens_BL)
         h = emb_BLD
         stats: list[MoEStats] = []
+        # Expert loads and the balance loss count real tokens only: a position whose label is IGNORE_INDEX (padding)
+        # is computed but not counted (DeepSeek-V3's statistics are over a sequence's tokens).
+        valid = labels_BL != IGNORE_INDEX if labels_BL is not None else None
         for block in self.layers:
-            h, s = block(h, cos, sin)
+            h, s = block(h, cos, sin, valid)
             if s is not None:
                 stats.append(s)
 
@@ -183,7 +187,7 @@ class Transformer(nn.Module):
                 emb_k = torch.roll(emb_BLD, shifts=-k, dims=1)
                 labels_k = torch.roll(labels_BL, shifts=-k, dims=1)
                 labels_k[:, L - k:] = IGNORE_INDEX
-                h_k, s = module(h_k, emb_k, cos, sin)
+                h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
                 if s is not None:
                     stats.append(s)
                 out.mtp_loss_sums.append(self._ce_sum(h_k, module.norm, labels_k))
