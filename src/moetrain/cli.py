@@ -164,13 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from moetrain.data import DataError
     from moetrain.model.config import ConfigError
-    from moetrain.interop.hf import CheckpointError as HFCheckpointError
-    from moetrain.train.checkpoint import CheckpointError
+    from moetrain.errors import CheckpointError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, DataError, CheckpointError, HFCheckpointError, FileNotFoundError, FileExistsError,
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError,
             json.JSONDecodeError) as e:
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from moetrain.interop.dcp_read import BoxRequest, DCPKeyError, checkpoint_tensors, read_boxes
-from moetrain.interop.hf import CheckpointError, HFSpec, hf_specs, write_hf_checkpoint
+from moetrain.errors import CheckpointError
+from moetrain.interop.hf import HFSpec, hf_specs, write_hf_checkpoint
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import build_model
 

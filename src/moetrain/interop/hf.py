@@ -50,8 +50,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from moetrain.errors import CheckpointError
 from moetrain.fsutil import fsync_path
-from moetrain.model.config import ConfigError, ModelConfig
+from moetrain.model.config import TRAINING_FIELDS, ConfigError, ModelConfig
 from moetrain.model.init import ShardBox
 from moetrain.model.moe import MoE
 
@@ -63,13 +64,8 @@ FP8_BLOCK = 128
 #: Key of the block in ``config.json`` that carries moetrain fields the HF config has no name for (training
 #: coefficients, and the YaRN parameters of a model without YaRN) so that configs round-trip exactly.
 EXTRA_KEY = "moetrain"
-_TRAINING_FIELDS = ("balance_loss_alpha", "mtp_loss_weight", "bias_update_rate", "routing")
 _YARN_FIELDS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "rope_original_seq_len")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # non-persistent buffers some old exports contain
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the model (missing/unexpected tensors, shape mismatch) or cannot be read/written."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -198,7 +194,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     extra = d.get(EXTRA_KEY) or {}
     if not isinstance(extra, dict):
         raise ConfigError(f"config key {EXTRA_KEY!r} must be a dict, got {type(extra).__name__}")
-    allowed = set(_TRAINING_FIELDS) | (set(_YARN_FIELDS) if out["rope_factor"] == 1.0 else set())
+    allowed = set(TRAINING_FIELDS) | (set(_YARN_FIELDS) if out["rope_factor"] == 1.0 else set())
     bad = sorted(set(extra) - allowed)
     if bad:
         raise ConfigError(f"unexpected field(s) {bad} in the {EXTRA_KEY!r} block; allowed here: {sorted(allowed)}")
@@ -213,7 +209,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     hard-codes the sigmoid router; a softmax-router config keeps ``scoring_func`` for tools that honour it.
     """
     rope_scaling = None
-    extra: dict[str, Any] = {name: getattr(cfg, name) for name in _TRAINING_FIELDS}
+    extra: dict[str, Any] = {name: getattr(cfg, name) for name in TRAINING_FIELDS}
     if cfg.rope_factor > 1.0:
         rope_scaling = {
             "type": "yarn", "rope_type": "yarn", "factor": cfg.rope_factor,

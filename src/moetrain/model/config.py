@@ -25,6 +25,11 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
 
 
+#: ModelConfig fields that steer training rather than define the architecture: a checkpoint may resume under other
+#: values, and the HF config.json has no names for them.
+TRAINING_FIELDS = ("balance_loss_alpha", "mtp_loss_weight", "bias_update_rate", "routing")
+
+
 @dataclass
 class ModelConfig:
     """Shape and behaviour of a DeepSeek-V3-style MoE transformer.

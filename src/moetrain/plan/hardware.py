@@ -175,6 +175,17 @@ def get_gpu(name: str) -> GPUSpec:
                         "(add your own with --gpu-file FILE.toml, or run `moetrain bench` and use --gpu local)")
 
 
+def gpu_for_device_name(device_name: str) -> GPUSpec | None:
+    """The catalogue entry of a CUDA device name as the driver reports it ("NVIDIA H100 80GB HBM3" -> h100,
+    "NVIDIA GB200" -> gb200); None when the catalogue has no such GPU. Longest names first, so GB200 is not read as
+    B200."""
+    compact = device_name.replace(" ", "").lower()
+    for key in sorted(CATALOGUE, key=len, reverse=True):
+        if key in compact:
+            return CATALOGUE[key]
+    return None
+
+
 def register_gpu(spec: GPUSpec) -> GPUSpec:
     """Add (or replace) a user GPU entry, available to :func:`get_gpu` under ``spec.name``."""
     _USER[spec.name.lower()] = spec

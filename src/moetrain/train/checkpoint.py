@@ -33,15 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from moetrain.errors import CheckpointError
 from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or belongs to a different model."""
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:

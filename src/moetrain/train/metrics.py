@@ -1,9 +1,9 @@
 """Throughput accounting (TFLOP/s per GPU, MFU) and metric sinks (console, JSONL, TensorBoard).
 
 TFLOP/s per GPU uses the Megatron-Core FLOPs formula (:mod:`moetrain.accounting`), the accounting of the published
-DeepSeek-V3 record, so the numbers compare. MFU divides it by the device's dense peak: a table of datasheet bf16
-peaks for known GPUs; on a CPU, the rate of a matmul probe measured at start-up (labelled ``cpu-probe``), since CPUs
-have no meaningful datasheet peak for this purpose.
+DeepSeek-V3 record, so the numbers compare. MFU divides it by the device's dense peak: the datasheet rate from the
+GPU catalogue of :mod:`moetrain.plan.hardware`; on a CPU, the rate of a matmul probe measured at start-up (labelled
+``cpu-probe``), since CPUs have no meaningful datasheet peak for this purpose.
 """
 
 from __future__ import annotations
@@ -16,13 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# Dense bf16 tensor-core peak per GPU in TFLOP/s (vendor datasheets, sparsity halved; REFERENCE.md section 5).
-GPU_PEAK_BF16_TFLOPS = {
-    "GB300": 2500.0, "GB200": 2500.0, "B300": 2250.0, "B200": 2250.0,
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-}
-
 
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
@@ -41,12 +34,17 @@ def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32
 
 
 def device_peak(device: torch.device, dtype: torch.dtype | None) -> tuple[float, str]:
-    """(peak TFLOP/s, label) used for MFU on ``device``."""
+    """(peak TFLOP/s, label) used for MFU on ``device``: the datasheet dense rate of the performance model's GPU
+    catalogue (:mod:`moetrain.plan.hardware`, the one table of GPU peaks), bf16 under bf16 autocast else the FP32
+    (non-tensor-core) rate; GPUs the catalogue lacks, and CPUs, get a measured matmul probe."""
     if device.type == "cuda":
+        from moetrain.plan.hardware import gpu_for_device_name
+
         name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16_TFLOPS.items():
-            if key in name.replace(" ", ""):
-                return (peak if dtype == torch.bfloat16 else peak / 2), f"{key} datasheet"
+        spec = gpu_for_device_name(name)
+        if spec is not None:
+            precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+            return spec.peak(precision) / 1e12, f"{spec.name.upper()} datasheet {precision}"
         return matmul_probe_tflops(device, dtype or torch.float32, 8192), f"{name} matmul probe"
     return matmul_probe_tflops(device), "cpu-probe"
 

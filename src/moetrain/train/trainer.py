@@ -20,6 +20,7 @@ from moetrain.config import JobConfig, save_job_config
 from moetrain.data import TokenLoader, iter_eval_batches
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import load_hf_checkpoint
+from moetrain.model.config import TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
@@ -51,8 +52,7 @@ def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Raise CheckpointError if ``ckpt`` was written for a different model architecture."""
     state = read_trainer_state(ckpt)
     saved = state.get("model_config", {})
-    arch_fields = [f for f in job.model.to_dict() if f not in ("balance_loss_alpha", "mtp_loss_weight",
-                                                               "bias_update_rate", "routing")]
+    arch_fields = [f for f in job.model.to_dict() if f not in TRAINING_FIELDS]
     diff = {f: (saved.get(f), getattr(job.model, f)) for f in arch_fields if saved.get(f) != getattr(job.model, f)}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in list(diff.items())[:6])

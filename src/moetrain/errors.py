@@ -1,0 +1,8 @@
+"""Errors shared across components (the config and data ones live with their components)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (moetrain DCP or HF safetensors) is missing, incomplete, damaged or belongs to a different
+    model; the message names the file or tensor and the fix. The CLI reports it as bad input (exit 2)."""
