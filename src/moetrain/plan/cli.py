@@ -244,8 +244,9 @@ def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pl
     if not args.json:
         report.print_search(res, n=args.top)
     if args.png and res.ranked:
-        preds = ([res.baseline] if res.baseline is not None else []) + res.ranked[: max(1, args.top)]
-        labels = (["baseline"] if res.baseline is not None else []) + [f"#{i}" for i in range(1, len(preds))]
+        ranked = res.ranked[: max(1, args.top)]
+        preds = ([res.baseline] if res.baseline is not None else []) + ranked
+        labels = (["baseline"] if res.baseline is not None else []) + [f"#{i}" for i in range(1, len(ranked) + 1)]
         report.plot_breakdown(preds, args.png, labels=labels)
     return 0 if res.best is not None else 3
 

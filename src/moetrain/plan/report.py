@@ -204,9 +204,25 @@ def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels:
                    published: Sequence[float | None] | None = None) -> Path:
     """Stacked horizontal bars of the step-time breakdown (share of each step; compute split by kernel class),
     TFLOP/s per GPU, step time and memory annotated."""
+    return _save(breakdown_figure(preds, labels, published), path, bbox_inches="tight")
+
+
+def _save(fig, path: str | os.PathLike, **kw) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110, **kw)
+    _plt().close(fig)
+    return out
+
+
+def breakdown_figure(preds: Sequence[Prediction], labels: Sequence[str] | None = None,
+                     published: Sequence[float | None] | None = None):
+    """The matplotlib Figure of :func:`plot_breakdown`."""
     plt = _plt()
     labels = list(labels) if labels else [f"{p.n_gpus}x{p.gpu.upper()}" for p in preds]
-    fig, ax = plt.subplots(figsize=(12, 0.75 * len(preds) + 2.0))
+    # Constrained layout keeps the legend (below the axes, outside them) and the annotations right of the bars
+    # clear of the bars, the tick labels and the x label, whatever the number of rows.
+    fig, ax = plt.subplots(figsize=(12, 0.75 * len(preds) + 2.4), layout="constrained")
     seen: set[str] = set()
     for i, p in enumerate(preds):
         if p.step is None:
@@ -230,31 +246,36 @@ def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels:
         ax.text(1.01, i, txt, va="center", fontsize=8)
     ax.set_yticks(range(len(preds)), labels, fontsize=8)
     ax.set_xlim(0, 1)
+    ax.set_ylim(len(preds) - 0.5, -0.5)  # first plan on top; a row without bars (does not fit) keeps its height
     ax.set_xlabel("share of step time")
-    ax.invert_yaxis()
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(preds) < 3 else -0.12), ncol=5, fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        fig.legend(loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     ax.set_title("Predicted step-time breakdown")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_scale(points: Sequence[ScalePoint], path: str | os.PathLike, tokens: float, title: str = "") -> Path:
     """TFLOP/s per GPU and days to train ``tokens`` against GPU count (log-2 x axis)."""
+    return _save(scale_figure(points, tokens, title), path)
+
+
+def scale_figure(points: Sequence[ScalePoint], tokens: float, title: str = ""):
+    """The matplotlib Figure of :func:`plot_scale`."""
     plt = _plt()
     xs = [pt.n_gpus for pt in points if pt.prediction is not None]
     tf = [pt.prediction.tflops_per_gpu for pt in points if pt.prediction is not None]
     days = [pt.days(tokens) for pt in points if pt.prediction is not None]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 10 else f"{v:g}")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     a1.plot(xs, tf, "o-", color="#4C72B0")
     a1.set_xscale("log", base=2)
     a1.set_xlabel("GPUs")
     a1.set_ylabel("predicted TFLOP/s per GPU")
-    a1.set_ylim(bottom=0)
+    a1.set_ylim(0, 1.15 * max(tf, default=1.0))  # headroom for the plan labels above the points
     a1.grid(alpha=0.3)
+    a1.margins(x=0.1)  # room for the first and last plan labels inside the axes
     for x, y, pt in zip(xs, tf, [p for p in points if p.prediction is not None]):
         pl = pt.prediction.plan
         a1.annotate(f"TP{pl.tp}PP{pl.pp}EP{pl.ep}", (x, y), fontsize=7, textcoords="offset points", xytext=(0, 6),
@@ -265,13 +286,20 @@ def plot_scale(points: Sequence[ScalePoint], path: str | os.PathLike, tokens: fl
     a2.set_xlabel("GPUs")
     a2.set_ylabel(f"days to train {tokens / 1e12:g}T tokens")
     a2.grid(alpha=0.3, which="both")
+    for a in (a1, a2):  # GPU counts and days as plain numbers, one tick per count
+        a.set_xticks(xs)
+        a.xaxis.set_major_formatter(plain)
+        a.xaxis.set_minor_formatter(NullFormatter())
+    a2.margins(x=0.1)
+    # 1-2-5 ticks on the log axis (every integer mantissa when the days span less than a factor of 5)
+    wide = len(days) > 1 and max(days) / max(min(days), 1e-9) >= 5
+    a2.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if wide else tuple(range(1, 10))))
+    a2.yaxis.set_major_formatter(plain)
+    a2.yaxis.set_minor_formatter(NullFormatter())
     missing = [pt.n_gpus for pt in points if pt.prediction is None]
-    if missing:
-        a2.text(0.02, 0.02, f"no fitting plan at {missing}", transform=a2.transAxes, fontsize=8, color="red")
+    if missing:  # below the axes, not over the curve
+        fig.text(0.5, 0.0, f"no fitting plan at {missing} GPUs", ha="center", va="bottom", fontsize=8,
+                 color="red")
+        fig.get_layout_engine().set(rect=(0, 0.04, 1, 0.96))
     fig.suptitle(title or "Predicted scaling")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
