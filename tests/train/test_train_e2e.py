@@ -124,3 +124,21 @@ def test_resume_with_a_different_ep_size(uninterrupted, cache, tmp_path):
     assert min(got) == start + 1
     for s in range(start + 1, STEPS + 1):
         assert got[s] == pytest.approx(want[s], rel=1e-4), s
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(uninterrupted, cache, tmp_path):
+    full_out, _ = uninterrupted
+    out = tmp_path / "damaged"
+    shutil.copytree(full_out, out)
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    newest, previous = ckpts[-1], ckpts[-2]
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    # resuming the finished run is "nothing to do" unless its newest checkpoint is skipped
+    p = subprocess.run(_cmd(out, cache, "--resume"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"skipping checkpoint {newest.name}" in p.stdout and "truncated" in p.stdout, p.stdout
+    start = int(previous.name.split("_")[1])
+    assert f"resumed from step {start} of {out}" in p.stdout, p.stdout
+    got, want = _losses(out), _losses(full_out)
+    assert [got[s] for s in range(start + 1, STEPS + 1)] == [want[s] for s in range(start + 1, STEPS + 1)]

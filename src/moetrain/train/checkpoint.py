@@ -20,6 +20,7 @@ the boxes of its own experts.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
@@ -88,15 +90,19 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(ctx)
     flat, _ = _flat_state(model, optimizer)
-    dcp.save(flat, checkpoint_id=str(tmp))
-    _barrier(ctx)
+    try:
+        dcp.save(flat, checkpoint_id=str(tmp))
+        _barrier(ctx)
+        if ctx.is_main:
+            state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist())
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
+            for f in tmp.iterdir():  # data on disk before the marker that declares it complete
+                fsync_path(f)
+            (tmp / "COMPLETE").write_text(f"{step}\n")
+            fsync_path(tmp / "COMPLETE")
+    except (OSError, RuntimeError, CheckpointException) as e:
+        raise _write_error(e, tmp, root) from None
     if ctx.is_main:
-        state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist())
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        for f in tmp.iterdir():  # data on disk before the marker that declares it complete
-            fsync_path(f)
-        (tmp / "COMPLETE").write_text(f"{step}\n")
-        fsync_path(tmp / "COMPLETE")
         if final.exists():  # same step saved again: move the old one aside, never delete before replacing
             os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
@@ -113,19 +119,89 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
     return final
 
 
-def check_checkpoint_files(path: str | Path) -> None:
-    """Raise CheckpointError if a complete-marked checkpoint lacks its DCP metadata or a shard file."""
+def _write_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:
+    """A failed checkpoint write as one message: how much disk is free (a full disk shows up in torch as
+    "[enforce fail at inline_container.cc] unexpected pos ..."), that the previous checkpoint is intact, and what to
+    do. The partial directory is removed to give the space back."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = -1
+    shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, CheckpointException):  # DCP wraps each rank's failure: look at the first one
+        inner = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        e = inner[0] if inner else e
+    prev = latest_checkpoint(root.parent)
+    kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
+    full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e) or free < 64 * 2 ** 20
+    if full:
+        return CheckpointError(f"writing checkpoint {tmp.name.removeprefix('.tmp-')} failed: the disk is full "
+                               f"({free / 2 ** 20:.0f} MiB free under {root}); {kept}. Free disk space (or lower "
+                               f"train.keep_ckpts), then rerun with --resume")
+    return CheckpointError(f"writing checkpoint {tmp.name.removeprefix('.tmp-')} under {root} failed "
+                           f"({type(e).__name__}: {e}); {kept}")
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check a complete-marked checkpoint without reading its tensors: the marker, a parseable trainer state, DCP
+    metadata that loads, and every shard file the metadata names present and long enough for the bytes it indexes
+    (a missing or truncated shard is caught here, not 180 lines deep in DCP). Returns the trainer state.
+
+    Raises:
+        CheckpointError: naming the file that is missing, damaged or too short.
+    """
     path = Path(path)
-    if not (path / ".metadata").is_file() or not list(path.glob("*.distcp")):
-        raise CheckpointError(f"checkpoint {path} is damaged (DCP metadata or shards missing); delete that directory "
-                              f"to resume from the previous one")
+    if not (path / "COMPLETE").is_file():
+        raise CheckpointError(f"{path} is incomplete (no COMPLETE marker)")
+    state = read_trainer_state(path)
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises
+        raise CheckpointError(f"{path / '.metadata'} is missing or damaged ({type(e).__name__}: {e})") from None
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"shard {f} is missing")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"shard {f} is truncated ({f.stat().st_size} bytes, the metadata indexes {size})")
+    return state
+
+
+def resume_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``out_dir`` that verifies (:func:`verify_checkpoint`), and the newer ones
+    skipped, each with the reason. (None, skipped) when none verifies."""
+    root = checkpoint_dir(out_dir)
+    if not root.is_dir():
+        return None, []
+    done = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()),
+                  key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+    skipped = []
+    for p in done:
+        try:
+            verify_checkpoint(p)
+        except CheckpointError as e:
+            skipped.append((p, str(e)))
+            continue
+        return p, skipped
+    return None, skipped
 
 
 def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The ``trainer_state.json`` of a checkpoint.
+
+    Raises:
+        CheckpointError: the file is missing or not valid JSON (naming the file).
+    """
     p = Path(path) / "trainer_state.json"
     if not p.is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    return json.loads(p.read_text())
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{p} is damaged (not valid JSON: {e})") from None
 
 
 def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim.Optimizer,

@@ -34,6 +34,8 @@ class TrainConfig:
         init_from: a HF checkpoint directory (released layout: safetensors + config.json) to start from; its
             config.json gives the model unless the model section names a preset or hf_config. Ignored when resuming
             from a checkpoint of the run.
+        allow_schedule_change: let a resume change the learning-rate schedule (lr, min_lr, warmup_steps,
+            schedule, or steps under a decaying schedule); refused otherwise, since it changes the LR mid-run.
     """
 
     steps: int = 400
@@ -62,6 +64,7 @@ class TrainConfig:
     tensorboard: bool = True
     threads_per_proc: int = 0
     init_from: str | None = None
+    allow_schedule_change: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):

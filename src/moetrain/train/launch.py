@@ -27,7 +27,9 @@ from moetrain.data import prepare_data
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
-from moetrain.train.checkpoint import check_checkpoint_files, latest_checkpoint
+from moetrain.errors import CheckpointError
+from moetrain.train.checkpoint import latest_checkpoint, resume_checkpoint
+from moetrain.train.resume import check_same_data, check_same_tokenizer_file, check_schedule_unchanged
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -49,16 +51,24 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     if resolve_device(job) == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
     ckpt = latest_checkpoint(job.train.out_dir)
+    state = None
     if job.train.resume and ckpt is not None:
+        ckpt, skipped = resume_checkpoint(job.train.out_dir)
+        for bad, why in skipped:
+            print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
+        if ckpt is None:
+            raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies (see above); delete the "
+                                  f"damaged ones to start over, or choose a new --out")
         state = check_checkpoint_compatible(ckpt, job)
-        check_checkpoint_files(ckpt)
         saved = state.get("loader", {})
         if saved.get("seq_len") not in (None, job.data.seq_len):
             raise ConfigError(f"checkpoint {ckpt} was trained with data.seq_len={saved['seq_len']}; resume with "
                               f"the same data.seq_len (got {job.data.seq_len})")
         if state.get("step", 0) >= job.train.steps:
             raise ConfigError(f"checkpoint {ckpt} is at step {state['step']} >= train.steps={job.train.steps}: "
-                              f"nothing to do; raise --steps to train further")
+                              f"nothing to do; raise --steps to train further (a decaying schedule then changes: "
+                              f"add --set train.allow_schedule_change=true)")
+        check_schedule_unchanged(ckpt, state, job)
     if job.train.init_from and not (job.train.resume and ckpt is not None):
         # names and shapes, from the file headers only
         res = check_hf_checkpoint(job.model, job.train.init_from, mtp_optional=True)
@@ -68,7 +78,11 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     if not job.train.resume and ckpt is not None:
         raise ConfigError(f"{job.train.out_dir} already holds checkpoints (newest {ckpt.name}); pass --resume to "
                           f"continue that run, or choose a new --out")
+    if state is not None and job.data.tokenizer:
+        check_same_tokenizer_file(ckpt, state, job)  # before tokenising anything
     prep = prepare_data(job.data)
+    if state is not None:
+        check_same_data(ckpt, state, prep, job)
     if prep.vocab_size > job.model.vocab_size:
         raise ConfigError(f"the tokenizer has {prep.vocab_size} tokens but model.vocab_size is "
                           f"{job.model.vocab_size}; set model.vocab_size >= {prep.vocab_size} or use a smaller "

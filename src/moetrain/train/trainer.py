@@ -25,10 +25,11 @@ from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
-from moetrain.train.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_trainer_state,
+from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint,
                                        save_checkpoint)
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
+from moetrain.train.resume import data_fingerprint
 from moetrain.train.step import train_step
 
 
@@ -120,7 +121,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     check_same_config(ctx, job.to_dict())
     amp = autocast_dtype(job, ctx.device)
     # A resumed checkpoint supersedes the initial weights, so they are not read at all then.
-    resuming = tc.resume and latest_checkpoint(tc.out_dir) is not None
+    resume_from = resume_checkpoint(tc.out_dir)[0] if tc.resume else None
+    resuming = resume_from is not None
     model = build_sharded_model(job, ctx, amp, init_from=None if resuming else tc.init_from)
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
     if dry_run:
@@ -130,15 +132,16 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                          seed=job.data.seed)
     start_step, last_ckpt = 0, None
     if tc.resume:
-        ckpt = latest_checkpoint(tc.out_dir)
-        if ckpt is None:
+        if resume_from is None:
             if ctx.is_main:
                 print(f"[moetrain] --resume: no complete checkpoint in {tc.out_dir}/checkpoints; starting fresh")
         else:
-            check_checkpoint_compatible(ckpt, job)
-            state = load_checkpoint(ckpt, model, optimizer, ctx)
+            check_checkpoint_compatible(resume_from, job)
+            state = load_checkpoint(resume_from, model, optimizer, ctx)
             loader.load_state_dict(state["loader"])
-            start_step, last_ckpt = state["step"], ckpt
+            start_step, last_ckpt = state["step"], resume_from
+            if ctx.is_main:
+                print(f"[moetrain] resumed from step {start_step} of {tc.out_dir} ({resume_from.name})")
     sink = MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step) if ctx.is_main else None
     if sink:
         save_job_config(job, Path(tc.out_dir) / "config.toml")
@@ -167,6 +170,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
             sink.print(f"step {0:>5} | val loss {v:.4f}")
 
     moe_layers = model.moe_layers()
+    fingerprint = data_fingerprint(prep)
     if sink:
         sink.start_progress(tc.steps, start_step)
     window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
@@ -232,7 +236,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
         if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
             last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
                                         {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
-                                         "job": job.to_dict()}, ctx, tc.keep_ckpts)
+                                         "job": job.to_dict(), "data": fingerprint}, ctx, tc.keep_ckpts)
         window_t += time.perf_counter() - t_pause
     summary = {"steps": tc.steps, "start_step": start_step, "val": history["val"], "train": history["train"],
                "world": ctx.world_size, "ep": ctx.pcfg.ep, "out_dir": tc.out_dir,

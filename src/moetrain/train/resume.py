@@ -1,0 +1,95 @@
+"""Resume safety: a resumed run continues the same run or is refused with what changed and how to go on.
+
+A checkpoint records the learning-rate schedule (its job config) and its data (tokenizer hash and vocabulary, the
+prepared data's key); ``moetrain train --resume`` compares them with the new job before any worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moetrain.config import JobConfig
+from moetrain.data.prepare import PreparedData
+from moetrain.data.tokenizer import file_sha256
+from moetrain.model.config import ConfigError
+from moetrain.train.optim import lr_at
+
+
+#: TrainConfig fields that define the learning-rate schedule (``moetrain.train.optim.lr_at``).
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "schedule")
+
+
+def check_schedule_unchanged(ckpt: Path, state: dict[str, Any], job: JobConfig) -> None:
+    """Refuse a resume that changes the learning-rate schedule, unless ``train.allow_schedule_change``: a changed
+    lr, min_lr, warmup or schedule, or more steps under a decaying schedule (cosine and WSD stretch over
+    ``train.steps``, so the LR at the resume step would jump).
+
+    Raises:
+        ConfigError: naming each changed field, the LR at the resume step before and after, and the two ways on.
+    """
+    saved = state.get("job", {}).get("train")
+    if not saved or job.train.allow_schedule_change:
+        return
+    tc = job.train
+    changed = [f"train.{f}: {saved[f]!r} -> {getattr(tc, f)!r}" for f in SCHEDULE_FIELDS
+               if f in saved and saved[f] != getattr(tc, f)]
+    if "steps" in saved and saved["steps"] != tc.steps and tc.schedule != "constant":
+        changed.append(f"train.steps: {saved['steps']} -> {tc.steps} (the {tc.schedule} schedule stretches over it)")
+    if not changed:
+        return
+    step = int(state.get("step", 0))
+    before = lr_at(step, lr=saved["lr"], min_lr=saved["min_lr"], warmup_steps=saved["warmup_steps"],
+                   total_steps=saved["steps"], schedule=saved["schedule"])
+    after = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
+                  schedule=tc.schedule)
+    raise ConfigError(f"resuming {ckpt} would change the learning-rate schedule ({'; '.join(changed)}): the LR at "
+                      f"step {step} goes from {before:.3g} to {after:.3g}. Resume with the run's settings, or accept "
+                      f"the change with --set train.allow_schedule_change=true")
+
+
+def check_same_tokenizer_file(ckpt: Path, state: dict[str, Any], job: JobConfig) -> None:
+    """The early form of :func:`check_same_data` for a given ``data.tokenizer`` file: compared by hash before the
+    corpus is tokenised with it.
+
+    Raises:
+        ConfigError: the file is not the tokenizer the checkpoint was trained with.
+    """
+    want = (state.get("data") or {}).get("tokenizer_sha256")
+    path = Path(job.data.tokenizer)
+    if want and path.is_file() and file_sha256(path) != want:
+        raise _tokenizer_changed(ckpt, state["data"], f"--tokenizer {path}", file_sha256(path), job)
+
+
+def _tokenizer_changed(ckpt: Path, data: dict[str, Any], now: str, sha: str, job: JobConfig) -> ConfigError:
+    return ConfigError(
+        f"{ckpt} was trained with another tokenizer ({data.get('tokenizer_vocab_size')} tokens, sha256 "
+        f"{data['tokenizer_sha256'][:12]}) than {now} (sha256 {sha[:12]}); resume with the run's own tokenizer "
+        f"(--tokenizer {Path(job.train.out_dir) / 'tokenizer.json'}), or start a new run with another --out")
+
+
+def check_same_data(ckpt: Path, state: dict[str, Any], prep: PreparedData, job: JobConfig) -> None:
+    """Refuse a resume whose tokenizer or training data differ from the checkpoint's (the loader position would
+    point into another token stream). Checkpoints written before these were recorded are not checked.
+
+    Raises:
+        ConfigError: what changed, and how to resume or start a new run.
+    """
+    data = state.get("data")
+    if not data:
+        return
+    sha = file_sha256(prep.tokenizer_path)
+    if data.get("tokenizer_sha256") not in (None, sha):
+        raise _tokenizer_changed(ckpt, data, f"this run's ({prep.vocab_size} tokens)", sha, job)
+    key = Path(prep.data_dir).name
+    if data.get("data_key") not in (None, key):
+        raise ConfigError(
+            f"{ckpt} was trained on other data (prepared data {data['data_key']}, now {key}: the sources, their "
+            f"sizes or modification times, or data.text_field changed); resume with the same data, or start a new "
+            f"run with another --out")
+
+
+def data_fingerprint(prep: PreparedData) -> dict[str, Any]:
+    """What a checkpoint records of its data, for :func:`check_same_data`."""
+    return {"tokenizer_sha256": file_sha256(prep.tokenizer_path), "tokenizer_vocab_size": prep.vocab_size,
+            "data_key": Path(prep.data_dir).name}
