@@ -1,4 +1,4 @@
-"""`moetrain count` through the CLI, against REFERENCE.md section 2 and 3."""
+"""`moetrain count` through the CLI, against docs/reference.md section 2 and 3."""
 
 from __future__ import annotations
 

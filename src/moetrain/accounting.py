@@ -5,7 +5,7 @@ every number the project prints is computed the same way.
 
 Two FLOPs conventions are reported, always by name:
 
-* ``megatron``: Megatron-Core ``num_floating_point_operations`` for MLA + MoE (REFERENCE.md section 3). This is the
+* ``megatron``: Megatron-Core ``num_floating_point_operations`` for MLA + MoE (docs/reference.md section 3). This is the
   accounting behind the published 1,648 TFLOP/s per GPU record, so numbers computed with it compare to the record.
   Causal attention is counted at half the square; the router GEMM is not counted; MTP layers count as MoE layers.
 * ``6n``: ``6 * N_active_nonembedding + 6 * n_layers * n_heads * (d_qk + d_v) * L`` -- the TorchTitan/PaLM style
@@ -121,7 +121,7 @@ class FlopsPerToken:
 
 
 def mla_projection_flops_factor(cfg: ModelConfig) -> int:
-    """Megatron-Core's A_mla: multiply-adds per token of the MLA projections (REFERENCE.md section 3).
+    """Megatron-Core's A_mla: multiply-adds per token of the MLA projections (docs/reference.md section 3).
 
     A_mla = q_lora*(h + n_h*(d_nope+d_rope) + 1) + kv_lora*(h + n_h*(d_nope+d_v) + 1) + h*d_rope + n_h*d_v*h,
     with the query term h*n_h*(d_nope+d_rope) when q_lora_rank is 0.

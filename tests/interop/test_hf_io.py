@@ -479,7 +479,7 @@ def test_config_round_trip_every_preset(name):
     assert config_from_hf(json.loads(json.dumps(config_to_hf(changed)))) == changed
 
 
-# deepseek-ai/DeepSeek-V3 config.json (REFERENCE.md section 2), released style: top-level rope_theta, rope_scaling
+# deepseek-ai/DeepSeek-V3 config.json (docs/reference.md section 2), released style: top-level rope_theta, rope_scaling
 # with key "type", FP8 quantization_config, and keys moetrain does not use.
 RELEASED_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"],

@@ -1,4 +1,4 @@
-"""Every published row of REFERENCE.md section 4, predicted with ONE set of constants.
+"""Every published row of docs/reference.md section 4, predicted with ONE set of constants.
 
 Target (the issue): within +-10% of the published TFLOP/s per GPU, +-5% for the GB300 record. Rows the model does
 not reach are marked xfail(strict) with the reason -- see docs/performance-model.md, "Where the model misses":

@@ -1,7 +1,7 @@
 """Hugging Face interchange for DeepSeek-V3/V2 models: ``config.json`` <-> :class:`ModelConfig`, and safetensors
 checkpoints in the released layout <-> a :class:`~moetrain.model.Transformer`.
 
-Released layout (REFERENCE.md section 7; one tensor per expert)::
+Released layout (docs/reference.md section 7; one tensor per expert)::
 
     model.embed_tokens.weight                    embed_tokens.weight
     model.layers.{i}.input_layernorm.weight      layers.{i}.input_layernorm.weight  (same for post_attention_layernorm)

@@ -5,7 +5,7 @@ Hugging Face ``config.json`` names. Every inconsistency is rejected when the con
 a message that names the field and the values it may take, so no weights are allocated for a config that cannot work.
 
 Sources: deepseek-ai/DeepSeek-V3 ``inference/configs/config_671B.json`` and the HF ``config.json`` of
-DeepSeek-V3 and DeepSeek-V2-Lite (see ``shared/REFERENCE.md`` section 2).
+DeepSeek-V3 and DeepSeek-V2-Lite (see ``docs/reference.md`` section 2).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         """Attention softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN.
 
-        For DeepSeek-V3: 192^-0.5 * (0.1 ln 40 + 1)^2 = 0.13523 (REFERENCE.md section 2)."""
+        For DeepSeek-V3: 192^-0.5 * (0.1 ln 40 + 1)^2 = 0.13523 (docs/reference.md section 2)."""
         scale = self.qk_head_dim ** -0.5
         if self.rope_factor > 1.0 and self.rope_mscale_all_dim:
             m = 0.1 * self.rope_mscale_all_dim * math.log(self.rope_factor) + 1.0

@@ -6,7 +6,7 @@ Entry points:
   :class:`Plan` for a model on ``n`` GPUs of a :class:`GPUSpec` (catalogue: :func:`get_gpu`).
 * :func:`search` -- rank valid plans by predicted TFLOP/s per GPU within the memory limit.
 * :func:`scale` -- the same across GPU counts, with time to train a token budget.
-* :data:`RECORDS` -- the published DeepSeek-V3 throughputs (REFERENCE.md section 4) with their plans.
+* :data:`RECORDS` -- the published DeepSeek-V3 throughputs (docs/reference.md section 4) with their plans.
 * :func:`predict_local_train` -- tokens/s of a local ``moetrain train`` run from ``moetrain bench`` measurements.
 
 Efficiency constants: :mod:`moetrain.plan.constants`. Documentation: ``docs/performance-model.md``.

@@ -42,7 +42,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bench-file", help="bench results for --gpu local (default .cache/moetrain/bench.json)")
     g.add_argument("--nic-gbit", type=float, help="what-if: override the NIC bandwidth per GPU (Gb/s)")
     g.add_argument("--nvlink-domain", type=int, help="what-if: override the NVLink domain size")
-    g.add_argument("--record", choices=sorted(RECORDS), help="start from a published plan of REFERENCE.md "
+    g.add_argument("--record", choices=sorted(RECORDS), help="start from a published plan of docs/reference.md "
                    "section 4 (model, GPU, count and plan); other flags override it")
     g = p.add_argument_group("plan")
     g.add_argument("--tp", type=int)
@@ -74,7 +74,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp", dest="fsdp", action="store_true", default=None,
                    help="FSDP2 / ZeRO-3: parameters gathered for every micro-batch (as `moetrain train` does)")
     g = p.add_argument_group("what to do")
-    g.add_argument("--records", action="store_true", help="predict every published row of REFERENCE.md section 4 "
+    g.add_argument("--records", action="store_true", help="predict every published row of docs/reference.md section 4 "
                    "and compare")
     g.add_argument("--search", action="store_true", help="rank valid plans by predicted TFLOP/s per GPU")
     g.add_argument("--top", type=int, default=10, help="plans shown by --search")

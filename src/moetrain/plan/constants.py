@@ -3,7 +3,7 @@
 Rules (from the issue): constants are few, named, documented, and shared by every system of a GPU generation.
 Nothing here is fitted to one published data point: a value is either a published microbenchmark of that
 generation or a property of the software stack that applies to every run of it. ``docs/performance-model.md``
-repeats the table and shows what each constant does to the predictions of REFERENCE.md section 4.
+repeats the table and shows what each constant does to the predictions of docs/reference.md section 4.
 
 A constant is a *fraction of a hardware peak* (``GPUSpec``) unless its name says otherwise.
 """
@@ -55,7 +55,7 @@ class Efficiency:
 #: Hopper: H100, H800, H200.
 HOPPER = Efficiency(
     generation="hopper",
-    # Measured here on an H200: an 8192^3 BF16 matmul runs at ~790 of 989 TFLOP/s (0.80, REFERENCE.md section 5);
+    # Measured here on an H200: an 8192^3 BF16 matmul runs at ~790 of 989 TFLOP/s (0.80, docs/reference.md section 5);
     # the K = 7168 / N = 1.5K-18K shapes of a training layer and Transformer Engine's wrappers land a little lower.
     gemm_bf16=0.75,
     # FP8 GEMMs with 1x128 / 128x128 block scales: DeepGEMM reports 1,300-1,550 TFLOP/s for large dense shapes on
@@ -71,13 +71,13 @@ HOPPER = Efficiency(
     attention=0.45,
     # Softmax exponentials overlap with the MMAs in FA3; 0.8 of the MUFU rate is reachable.
     sfu=0.80,
-    # A device copy reaches ~4.3 of 4.8 TB/s on an H200 (0.9, REFERENCE.md section 5); norms, RoPE, permutes and
+    # A device copy reaches ~4.3 of 4.8 TB/s on an H200 (0.9, docs/reference.md section 5); norms, RoPE, permutes and
     # casts have strided or gathered accesses -> 0.70.
     hbm=0.70,
     # DeepEP intranode dispatch/combine: 153-158 GB/s of the 200 GB/s per-direction NVLink of an H800 (0.77-0.79).
     nvlink=0.78,
     # DeepEP internode: 43-58 GB/s "RDMA bandwidth" per 400 Gb/s (50 GB/s) NIC; a sustained 0.85 is typical RDMA
-    # goodput (REFERENCE.md section 5).
+    # goodput (docs/reference.md section 5).
     nic=0.85,
     # DeepEP "normal" kernels: tens of microseconds per call even for small batches.
     a2a_latency_s=30e-6,
@@ -161,7 +161,7 @@ RESERVED_GIB_CPU = 0.5
 
 #: Step-time ratio of unforced ("real") routing to forced-balanced routing when the plan gives no imbalance
 #: factor. The published statement is about the *step*: unforced routing is 8-20% slower than forced balance
-#: (REFERENCE.md section 4); 1.15 is the middle of that range. The model does not multiply the step by it:
+#: (docs/reference.md section 4); 1.15 is the middle of that range. The model does not multiply the step by it:
 #: :func:`moetrain.plan.model.predict` raises the per-rank max/mean load (``Plan.imbalance``) until the plan's
 #: step is this much slower than the same plan forced-balanced, so the extra time lands where imbalance acts
 #: (grouped expert GEMMs, all-to-all, permutes, their overlap) and the activation memory grows with it.

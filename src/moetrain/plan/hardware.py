@@ -1,4 +1,4 @@
-"""GPU catalogue: peak rates, memory and links of the systems the performance model knows (REFERENCE.md section 5).
+"""GPU catalogue: peak rates, memory and links of the systems the performance model knows (docs/reference.md section 5).
 
 Units, once and for all:
 
@@ -131,7 +131,7 @@ def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: 
                    source=source)
 
 
-_DS = "vendor datasheet (REFERENCE.md section 5; dense peaks, NVLink halved to per-direction)"
+_DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved to per-direction)"
 #: The built-in catalogue. FP32 is the non-tensor-core rate (the FP32 router GEMM runs there): 67 TFLOP/s on
 #: H100/H800/H200 SXM, 75 on HGX B200/B300, 80 per GPU of GB200/GB300 NVL72 (5,760 TFLOP/s per rack). SFU rates: Hopper 132 SMs x 16 exp/clk x ~1.83 GHz ~ 3.9e12/s; Blackwell ~5e12/s;
 #: Blackwell Ultra 10.7e12/s (NVIDIA Blackwell Ultra technical brief).
@@ -142,7 +142,7 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM"),
     _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0, _DS + "; HGX B200"),
     _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
-         "vendor datasheet (HGX B300; not in REFERENCE.md): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
+         "vendor datasheet (HGX B300; not in docs/reference.md): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
          "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s"),
     _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72"),
     _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72"),

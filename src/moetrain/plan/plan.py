@@ -1,6 +1,6 @@
 """A training plan (parallel layout, batch, precision, overlap, routing) and its validation.
 
-Megatron conventions (the published plans of REFERENCE.md section 4 are Megatron plans):
+Megatron conventions (the published plans of docs/reference.md section 4 are Megatron plans):
 
 * Dense layers: ``world = TP * CP * DP * PP`` (PP outermost: a pipeline stage is ``TP*CP*DP`` consecutive ranks).
 * MoE layers re-partition the same ``TP * CP * DP`` ranks of a stage as ``ETP * EP * EDP`` with ETP = 1 here:

@@ -1,4 +1,4 @@
-"""The published DeepSeek-V3 training throughputs (REFERENCE.md section 4) with the plan each one ran.
+"""The published DeepSeek-V3 training throughputs (docs/reference.md section 4) with the plan each one ran.
 
 The parallel sizes, batch and precision are those of the table. The remaining plan fields (recompute, overlap,
 attention precision, pipeline layout) are taken from the public recipe of each run:

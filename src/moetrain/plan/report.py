@@ -79,7 +79,7 @@ def print_prediction(pred: Prediction, record: Record | None = None, file: Any =
 
 
 def records_table(rows: Sequence[tuple[Record, Prediction]]):
-    """Predicted vs published for the rows of REFERENCE.md section 4."""
+    """Predicted vs published for the rows of docs/reference.md section 4."""
     from rich.table import Table
 
     t = Table(title="Predicted vs published DeepSeek-V3 throughput (one set of constants)", title_justify="left")
