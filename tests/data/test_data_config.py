@@ -29,4 +29,4 @@ def test_validate_names_field_and_allowed_values(field, value, fragment):
     with pytest.raises(ValueError) as ei:
         cfg.validate()
     msg = str(ei.value)
-    assert f"DataConfig.{field}" in msg and fragment in msg and repr(value) in msg
+    assert f"data.{field}" in msg and f"--set data.{field}=" in msg and fragment in msg and repr(value) in msg

@@ -98,7 +98,7 @@ def test_bad_input_fails_before_work(tmp_path, text_corpus):
         prepare_data(DataConfig(paths=[str(bad)], cache_dir=str(cache)))
     with pytest.raises(DataError, match="tokenizer file"):
         prepare_data(_cfg(tmp_path, text_corpus, tokenizer=str(tmp_path / "missing.json")))
-    with pytest.raises(ValueError, match="DataConfig.seq_len"):
+    with pytest.raises(ValueError, match="data.seq_len"):
         prepare_data(_cfg(tmp_path, text_corpus, seq_len=1))
     assert not cache.exists() or not [p for p in cache.iterdir() if p.is_dir()]
 

@@ -35,7 +35,7 @@ class DataConfig:
         tokenizer: path to an existing Hugging Face ``tokenizer.json`` (e.g. DeepSeek-V3's). None = train a
             byte-level BPE of ``vocab_size`` tokens on the corpus.
         vocab_size: size of the trained BPE (ignored when ``tokenizer`` is given; the loaded tokenizer's own size
-            is used then).
+            is used then). In a job (``moetrain train``) it defaults to the model's vocabulary size.
         seq_len: tokens per training sequence L (each packed window holds L + 1 tokens).
         val_fraction: fraction of the documents held out for validation, in (0, 0.5].
         cache_dir: directory of the prepared tokenizers and token shards (relative = to the working directory).
@@ -65,7 +65,7 @@ class DataConfig:
         """
 
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"DataConfig.{name} must be {allowed}; got {getattr(self, name)!r}")
+            return ValueError(f"data.{name} must be {allowed}; got {getattr(self, name)!r} (--set data.{name}=)")
 
         if isinstance(self.paths, (str, bytes, os.PathLike)) or not isinstance(self.paths, (list, tuple)):
             raise bad("paths", "a list of file paths or glob patterns (e.g. ['data/*.jsonl']), or [] for the "

@@ -135,8 +135,8 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
         patterns = [patterns]
     patterns = list(patterns)
     if not patterns:
-        raise DataError("no data paths given; pass files or glob patterns (e.g. ['data/**/*.jsonl']), or leave "
-                        "DataConfig.paths empty to use the built-in corpus")
+        raise DataError("no data paths given; pass files or glob patterns (--data 'data/**/*.jsonl', or --set "
+                        "data.paths='[\"data/**/*.jsonl\"]'), or leave data.paths empty to use the built-in corpus")
     found: dict[Path, None] = {}
     for pat in patterns:
         s = os.path.expanduser(os.fspath(pat))
@@ -152,7 +152,7 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
                                 f"{os.getcwd()!r}); check the pattern, or use '**' to search subdirectories")
         else:
             raise DataError(f"data file {os.fspath(pat)!r} does not exist (looked for {os.path.abspath(s)!r}); "
-                            "check the path in DataConfig.paths")
+                            "check the path given to --data / --set data.paths=")
         for f in files:
             found[Path(f).resolve()] = None
     paths = sorted(found)
@@ -162,7 +162,7 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
                 fh.read(1)
         except OSError as e:
             raise DataError(f"data file {str(p)!r} cannot be read ({e.strerror or e}); fix its permissions "
-                            "(e.g. 'chmod a+r') or remove it from DataConfig.paths") from e
+                            "(e.g. 'chmod a+r') or remove it from --data / --set data.paths=") from e
         source_kind(p)
     if all(p.stat().st_size == 0 for p in paths):
         listed = ", ".join(repr(str(p)) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
@@ -181,7 +181,7 @@ def builtin_corpus_paths(max_bytes: int = 8_000_000) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
     if not root.is_dir():
         raise DataError(f"the built-in corpus needs the Python standard library sources, but {str(root)!r} is not a "
-                        "directory; set DataConfig.paths to your own text files")
+                        "directory; give your own text files with --data GLOB (--set data.paths=)")
     candidates = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _BUILTIN_EXCLUDED_DIRS]
@@ -208,8 +208,9 @@ def builtin_corpus_paths(max_bytes: int = 8_000_000) -> list[Path]:
         total += len(data)
         out.append(f)
     if not out:
-        raise DataError(f"no built-in corpus file fits in builtin_max_bytes={max_bytes} (stdlib at {str(root)!r}); "
-                        "raise DataConfig.builtin_max_bytes or set DataConfig.paths")
+        raise DataError(f"no built-in corpus file fits in data.builtin_max_bytes={max_bytes} (stdlib at "
+                        f"{str(root)!r}); raise it with --set data.builtin_max_bytes=N, or give your own text with "
+                        "--data GLOB")
     return out
 
 
@@ -228,8 +229,8 @@ def _doc_from_record(rec: object, text_field: str, where: str) -> str:
         raise DataError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(rec).__name__}")
     if text_field not in rec:
         keys = ", ".join(repr(k) for k in list(rec)[:20]) or "none"
-        raise DataError(f"{where}: record has no field {text_field!r} (fields present: {keys}); set "
-                        "DataConfig.text_field to the key that holds the text")
+        raise DataError(f"{where}: record has no field {text_field!r} (fields present: {keys}); name the key "
+                        "that holds the text with --set data.text_field=NAME")
     text = rec[text_field]
     if text is None:
         return ""
@@ -282,8 +283,8 @@ def _iter_parquet(path: Path, text_field: str, limit: int | None = None) -> Iter
     schema = pf.schema_arrow
     if text_field not in schema.names:
         cols = ", ".join(repr(c) for c in schema.names) or "none"
-        raise DataError(f"Parquet file {str(path)!r} has no column {text_field!r} (available columns: {cols}); set "
-                        "DataConfig.text_field to the column that holds the text")
+        raise DataError(f"Parquet file {str(path)!r} has no column {text_field!r} (available columns: {cols}); name "
+                        "the column that holds the text with --set data.text_field=NAME")
     typ = schema.field(text_field).type
     if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
             or getattr(pa.types, "is_string_view", lambda t: False)(typ)):

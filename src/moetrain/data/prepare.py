@@ -34,6 +34,7 @@ from typing import Iterator
 
 from .config import DataConfig
 from .corpus import DataError, builtin_corpus_paths, check_sources, iter_documents, resolve_paths
+from .progress import PrepProgress, default_progress
 from .shards import FORMAT_VERSION, read_meta, write_shards
 from .tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
 
@@ -75,13 +76,14 @@ class PreparedData:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def _flock(path: Path, progress: PrepProgress) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another process preparing the same data (lock %s)", path)
+            progress.note(f"waiting for another process preparing the same data (lock {path})")
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
@@ -118,21 +120,25 @@ def _complete(d: Path, key: str) -> dict | None:
     return meta
 
 
-def _limit_chars(docs: Iterator[str], max_chars: int) -> Iterator[str]:
+def _limit_chars(docs: Iterator[str], max_chars: int, on_progress=None) -> Iterator[str]:
     total = 0
     for d in docs:
         if total and total + len(d) > max_chars:
             return
         total += len(d)
+        if on_progress is not None:
+            on_progress(total)
         yield d
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
+def prepare_data(cfg: DataConfig, progress: PrepProgress | None = None) -> PreparedData:
     """Prepare (or reuse) the tokenizer and the train/validation token shards described by ``cfg``.
 
     Steps: validate ``cfg``; resolve the sources (``cfg.paths`` or the built-in corpus) and pre-check the first
     record of each; load the given tokenizer (or plan to train a BPE); take the cache lock; reuse a complete cache
     directory for this key, else train/copy the tokenizer and write the shards (see :mod:`moetrain.data.shards`).
+    ``progress`` reports each step on stderr (default :func:`moetrain.data.progress.default_progress`: a progress
+    bar on a terminal, plain lines otherwise; ``PrepProgress(enabled=False)`` is silent).
 
     Returns:
         :class:`PreparedData` (``reused`` tells whether the cache was hit).
@@ -144,6 +150,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     """
     cfg.validate()
     t0 = time.perf_counter()
+    progress = progress if progress is not None else default_progress()
     builtin = not cfg.paths
     paths = builtin_corpus_paths(cfg.builtin_max_bytes) if builtin else resolve_paths(cfg.paths)
     check_sources(paths, cfg.text_field)
@@ -167,12 +174,13 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"cannot create the data cache directory {str(root)!r} ({e.strerror or e}); set "
-                        "DataConfig.cache_dir to a writable directory") from e
+                        "--set data.cache_dir=\"DIR\" to a writable directory") from e
     d = root / f"data-{key}"
-    with _flock(root / f"data-{key}.lock"):
+    with _flock(root / f"data-{key}.lock", progress):
         meta = _complete(d, key)
         if meta is not None:
             log.info("reusing prepared data %s (%.2f s)", d, time.perf_counter() - t0)
+            progress.note(f"reusing {d} ({meta['splits']['train']['n_tokens']:,} training tokens, prepared before)")
             return _result(d, meta, reused=True)
 
         if d.exists():
@@ -180,13 +188,16 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         d.mkdir(parents=True)
         tok_path = d / TOKENIZER_NAME
         n_bytes = sum(s["size"] for s in sources)
-        log.info("preparing data from %d file(s), %.1f MB (%s) into %s", len(paths), n_bytes / 1e6,
-                 "built-in corpus" if builtin else "DataConfig.paths", d)
+        what = "the built-in corpus" if builtin else "data.paths"
+        log.info("preparing data from %d file(s), %.1f MB (%s) into %s", len(paths), n_bytes / 1e6, what, d)
+        progress.note(f"preparing {len(paths)} file(s), {n_bytes / 1e6:.1f} MB ({what}) into {d}")
         try:
             if given is None:
                 t1 = time.perf_counter()
-                tokenizer = train_bpe(_limit_chars(iter_documents(paths, cfg.text_field), BPE_TRAIN_MAX_CHARS),
-                                      cfg.vocab_size, tok_path)
+                with progress.phase(f"training a {cfg.vocab_size:,}-token BPE",
+                                    total=min(n_bytes, BPE_TRAIN_MAX_CHARS)) as update:
+                    docs = _limit_chars(iter_documents(paths, cfg.text_field), BPE_TRAIN_MAX_CHARS, update)
+                    tokenizer = train_bpe(docs, cfg.vocab_size, tok_path)
                 log.info("trained a byte-level BPE of %d tokens in %.1f s", tokenizer.vocab_size,
                          time.perf_counter() - t1)
             else:
@@ -196,11 +207,15 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
                 tokenizer = load_tokenizer(tok_path, given.eos_token)
             extra = {"cache_key": key, "builtin_corpus": builtin, "text_field": cfg.text_field,
                      "tokenizer": tok_key, "eos_token": tokenizer.eos_token}
-            write_shards(iter_documents(paths, cfg.text_field), tokenizer, d, val_fraction=cfg.val_fraction,
-                         seed=cfg.seed, sources=sources, extra_meta=extra)
+            with progress.phase("tokenising", total=n_bytes) as update:
+                write_shards(iter_documents(paths, cfg.text_field), tokenizer, d, val_fraction=cfg.val_fraction,
+                             seed=cfg.seed, sources=sources, extra_meta=extra, on_progress=update)
         except BaseException:
             shutil.rmtree(d, ignore_errors=True)  # leave no half-built directory behind
             raise
         meta = read_meta(d)
         log.info("prepared data in %.1f s", time.perf_counter() - t0)
+        sp = meta["splits"]
+        progress.note(f"prepared {sp['train']['n_tokens']:,} training + {sp['val']['n_tokens']:,} validation "
+                      f"tokens in {time.perf_counter() - t0:.1f} s")
         return _result(d, meta, reused=False)

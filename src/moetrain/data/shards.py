@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -51,8 +51,9 @@ log = logging.getLogger("moetrain.data")
 META_NAME = "meta.json"
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
-#: Characters of text handed to one ``encode_batch`` call.
-BATCH_CHARS = 4 << 20
+#: Characters of text handed to one ``encode_batch`` call (also the granularity of the progress report; 1 M was
+#: measured as fast as 4 M on 2 cores: 6.2-6.8 s against 8.3-10.0 s for the 8 MB built-in corpus).
+BATCH_CHARS = 1 << 20
 #: Documents longer than this are encoded in line-aligned pieces (cut after a newline followed by a non-space).
 PIECE_CHARS = 1 << 20
 _CUT = re.compile(r"\n(?=\S)")
@@ -145,7 +146,8 @@ def _move_ranges(src: Path, dst: Path, ranges: list[tuple[int, int]], dtype: np.
 
 def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.PathLike, *, val_fraction: float,
                  seed: int = 0, sources: list[dict[str, Any]] | None = None,
-                 extra_meta: dict[str, Any] | None = None) -> ShardInfo:
+                 extra_meta: dict[str, Any] | None = None,
+                 on_progress: Callable[[int], None] | None = None) -> ShardInfo:
     """Tokenise ``docs`` into ``out_dir/train.bin``, ``out_dir/val.bin`` and ``out_dir/meta.json``.
 
     Documents are encoded in batches of about 4 M characters with ``tokenizer.encode_batch`` (parallel in Rust);
@@ -157,6 +159,7 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
         out_dir: created if missing; existing shard files there are replaced.
         val_fraction: in (0, 1); seed: split seed.
         sources: recorded in meta.json (e.g. ``[{"path", "size", "mtime_ns"}]``); extra_meta: merged into it.
+        on_progress: called after each encoded batch with the characters of text tokenised so far.
 
     Returns:
         :class:`ShardInfo`.
@@ -189,10 +192,10 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
         texts: list[str] = []
         owners: list[int] = []
         pending: dict[int, tuple[str, float]] = {}
-        chars = 0
+        chars = done_chars = 0
 
         def flush() -> None:
-            nonlocal best_for_val, best_for_train, first_doc, chars
+            nonlocal best_for_val, best_for_train, first_doc, chars, done_chars
             if not texts:
                 return
             encoded = tokenizer.encode_batch(texts)
@@ -228,7 +231,10 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
                     n_tok[s] += total
             texts.clear()
             owners.clear()
+            done_chars += chars
             chars = 0
+            if on_progress is not None:
+                on_progress(done_chars)
 
         for doc in docs:
             if not doc:

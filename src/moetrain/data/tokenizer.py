@@ -62,12 +62,12 @@ class Tokenizer:
             else:
                 specials = [t.content for t in hf_tokenizer.get_added_tokens_decoder().values() if t.special][:20]
                 raise DataError(f"{where} has none of the known end-of-document tokens {list(EOS_CANDIDATES)}; say "
-                                f"which token separates documents with DataConfig.eos_token (its special tokens: "
-                                f"{specials or 'none'})")
+                                f"which token separates documents with --set data.eos_token=\"TOKEN\" (its special "
+                                f"tokens: {specials or 'none'})")
         eos_id = hf_tokenizer.token_to_id(eos_token)
         if eos_id is None:
-            raise DataError(f"{where} has no token {eos_token!r} (DataConfig.eos_token); give a token of its "
-                            "vocabulary")
+            raise DataError(f"{where} has no token {eos_token!r} (data.eos_token); give a token of its vocabulary "
+                            "with --set data.eos_token=\"TOKEN\", or leave it unset to detect one")
         self.eos_token: str = eos_token
         self.eos_id: int = int(eos_id)
         ids = list(hf_tokenizer.get_vocab(with_added_tokens=True).values())
@@ -160,8 +160,9 @@ def load_tokenizer(path: str | os.PathLike, eos_token: str | None = None) -> Tok
     if p.is_dir() and (p / "tokenizer.json").is_file():
         p = p / "tokenizer.json"
     if not p.is_file():
-        raise DataError(f"tokenizer file {os.fspath(path)!r} does not exist (looked for {str(p.absolute())!r}); set "
-                        "DataConfig.tokenizer to a tokenizer.json, or to None to train a BPE")
+        raise DataError(f"tokenizer file {os.fspath(path)!r} does not exist (looked for {str(p.absolute())!r}); give "
+                        "a tokenizer.json with --tokenizer FILE (--set data.tokenizer=), or leave it unset to train a "
+                        "BPE")
     try:
         hf = HFTokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception on parse errors
