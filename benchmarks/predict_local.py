@@ -76,7 +76,7 @@ def main() -> int:
         print(f"using bench results {bench} (--rebench to measure again)")
 
     sets = [f"model.preset={json.dumps(args.preset)}"] + list(args.set)
-    job = load_job_config(None, sets)
+    job = load_job_config(None, sets, world=2)  # an unset EP is the preset's, fitted to the 2 processes
     world, ep = 2, job.parallel.ep if job.parallel.ep > 1 else 2
     t0 = time.perf_counter()
     try:

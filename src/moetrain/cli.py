@@ -1,9 +1,10 @@
-"""``moetrain`` command line: count | train | export | plan | bench | plot."""
+"""``moetrain`` command line: count | train | prepare | export | plan | bench | plot."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,33 +49,66 @@ def cmd_count(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_train_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--config", help="job file (.toml or .json) with [model] [parallel] [data] [train] sections")
+def add_job_args(ap: argparse.ArgumentParser) -> None:
+    """The options that describe a job's model and data (shared by ``train`` and ``prepare``): --config, --set,
+    --preset, --data, --tokenizer; each help names its ``--set`` spelling and its default."""
+    from moetrain.config import DEMO_PRESET
+    from moetrain.model.config import PRESETS
+
+    ap.add_argument("--config", metavar="FILE", help="job file (.toml or .json) with [model] [parallel] [data] "
+                    "[train] tables; --set and the options below override it")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="override one field, e.g. --set train.lr=1e-3 (repeatable)")
-    ap.add_argument("--preset", help="model preset to start from (tiny, small, deepseek-v2-lite-16b, ...)")
-    ap.add_argument("--data", action="append", help="training text: files or globs (.txt, .jsonl, .parquet); "
-                    "repeatable. Default: the built-in corpus (Python standard library sources)")
-    ap.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a byte-level BPE)")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--ep", type=int, help="expert-parallel size")
-    ap.add_argument("--nproc", type=int, help="local worker processes (default: one per GPU, 2 on CPU)")
-    ap.add_argument("--out", help="run directory (default runs/default)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-    ap.add_argument("--device", choices=["auto", "cpu", "cuda"])
+                    help="override one field, e.g. --set train.lr=1e-3 (repeatable; values are TOML: numbers, "
+                    "true/false, \"strings\", [lists]); `moetrain train --help-config` lists every field with its "
+                    "type, default and meaning")
+    ap.add_argument("--preset", metavar="NAME", help=f"model preset to start from, with its own training defaults "
+                    f"(sequence length, batch, learning rate, EP): {', '.join(PRESETS)} (--set model.preset=NAME; "
+                    f"default {DEMO_PRESET})")
+    ap.add_argument("--data", action="append", metavar="GLOB", help="training text: files or globs (.txt, .jsonl, "
+                    ".parquet), repeatable (--set data.paths='[\"GLOB\", ...]'; default: the built-in corpus, the "
+                    "Python standard library sources)")
+    ap.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json; its size sets model.vocab_size "
+                    "unless that is set (--set data.tokenizer=\"FILE\"; default: train a byte-level BPE of "
+                    "data.vocab_size tokens, the preset's vocabulary)")
+
+
+def add_train_args(ap: argparse.ArgumentParser) -> None:
+    """Every option of ``moetrain train``: the job options, the shortcuts (each help names its ``--set`` spelling and
+    the demo's default), --init-from, --dry-run, --world and --help-config."""
+    from moetrain.config import JobConfig
+    from moetrain.model.config import PRESET_JOB_DEFAULTS
+
+    demo = JobConfig()
+    add_job_args(ap)
+    eps = ", ".join(f"{'HF config' if k == 'hf' else k}: {v['parallel']['ep']}"
+                    for k, v in PRESET_JOB_DEFAULTS.items())
+    ap.add_argument("--steps", type=int, metavar="N",
+                    help=f"optimizer steps (--set train.steps=N; default {demo.train.steps})")
+    ap.add_argument("--ep", type=int, metavar="N", help=f"expert-parallel size (--set parallel.ep=N; default: the "
+                    f"preset's ({eps}), lowered to the largest size that divides the processes and the experts; "
+                    f"set, it must divide the processes)")
+    ap.add_argument("--nproc", type=int, metavar="N", help="local worker processes (--set train.nproc=N; default "
+                    f"{demo.train.nproc} = one per GPU, 2 on CPU)")
+    ap.add_argument("--out", metavar="DIR", help=f"run directory (--set train.out_dir=\"DIR\"; default "
+                    f"{demo.train.out_dir})")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out "
+                    "(--set train.resume=true; default false)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], help=f"--set train.device=\"...\"; default "
+                    f"{demo.train.device} (cuda if available)")
     ap.add_argument("--init-from", metavar="HF_DIR", help="start from released weights: a HF checkpoint directory "
                     "(config.json + safetensors); its config.json gives the model unless --preset is given; "
-                    "--set model.X=... still overrides fields")
+                    "--set model.X=... still overrides fields (--set train.init_from=\"HF_DIR\"; default: none)")
     ap.add_argument("--dry-run", action="store_true", help="all set-up (checks, data, mesh, meta build, parallelize, "
                     "materialise, --init-from), no step; print each rank's parameters, gradient and optimizer bytes, "
                     "measured peak memory and the performance model's prediction")
     ap.add_argument("--world", type=int, metavar="N", help="with --dry-run: report rank 0 of an N-rank layout that "
                     "does not exist here, built on meta in this process (no data preparation, no workers)")
+    ap.add_argument("--help-config", nargs="?", const="all", metavar="SECTION",
+                    help="list every section and field (type, this job's value, meaning) and exit; with a SECTION "
+                    "(model, parallel, data, train) the full meaning of its fields")
 
 
-def job_from_args(args: argparse.Namespace):
-    from moetrain.config import load_job_config
-
+def _sets_from_args(args: argparse.Namespace) -> list[str]:
     sets = list(args.set)
     if args.preset:
         sets.append(f"model.preset={json.dumps(args.preset)}")
@@ -83,23 +117,80 @@ def job_from_args(args: argparse.Namespace):
     if args.tokenizer:
         sets.append(f"data.tokenizer={json.dumps(args.tokenizer)}")
     for flag, key in (("steps", "train.steps"), ("ep", "parallel.ep"), ("nproc", "train.nproc")):
-        if getattr(args, flag) is not None:
+        if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
-    if args.out:
+    if getattr(args, "out", None):
         sets.append(f"train.out_dir={json.dumps(args.out)}")
-    if args.resume:
+    if getattr(args, "resume", False):
         sets.append("train.resume=true")
-    if args.device:
+    if getattr(args, "device", None):
         sets.append(f"train.device={json.dumps(args.device)}")
-    if args.init_from:
+    if getattr(args, "init_from", None):
         sets.append(f"train.init_from={json.dumps(args.init_from)}")
-    return load_job_config(args.config, sets)
+    return sets
+
+
+def _launch_world(args: argparse.Namespace):
+    """The number of processes ``train_main`` will train on (--world, torchrun's WORLD_SIZE, else the local
+    launcher's count), as a function of the preliminary job; None when not known."""
+    def world(job) -> int | None:
+        if getattr(args, "world", None) is not None:
+            return args.world
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return int(os.environ["WORLD_SIZE"])
+        from moetrain.train.launch import default_nproc
+        return default_nproc(job)
+    return world
+
+
+def job_from_args(args: argparse.Namespace, fit_world: bool = True):
+    """The JobConfig of parsed ``train`` (or ``prepare``) arguments: --config, then --set, then the shortcuts.
+
+    ``fit_world``: size an unset EP to the processes that will train (see :func:`moetrain.config.build_job_config`)
+    and print a note when it is lowered."""
+    from moetrain.config import load_job_config
+
+    job = load_job_config(args.config, _sets_from_args(args), world=_launch_world(args) if fit_world else None)
+    for note in job.notes:
+        print(f"[moetrain] note: {note}")
+    return job
+
+
+def cmd_help_config(args: argparse.Namespace) -> int:
+    """``moetrain train --help-config [SECTION]``: every field of the job's config, with this job's values."""
+    from moetrain.config import describe_config
+
+    section = None if args.help_config == "all" else args.help_config
+    print(describe_config(job_from_args(args, fit_world=False), section))
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """``moetrain prepare``: tokenise and shard the job's corpus into the data cache that ``moetrain train`` reuses."""
+    from moetrain.data import prepare_data
+
+    job = job_from_args(args, fit_world=False)
+    prep = prepare_data(job.data)
+    print(f"{'reused' if prep.reused else 'prepared'}: {prep.n_train_tokens:,} training + {prep.n_val_tokens:,} "
+          f"validation tokens, tokenizer of {prep.vocab_size:,} tokens")
+    print(f"data cache: {prep.data_dir}")
+    print("moetrain train with the same --preset/--config/--set data.*/--data/--tokenizer options reuses it")
+    return 0
+
+
+def _cmd_train_or_help(args: argparse.Namespace) -> int:
+    return cmd_help_config(args) if args.help_config is not None else cmd_train(args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
 
     summary = train_main(job_from_args(args), dry_run=args.dry_run, world=args.world)
+    if summary and summary.get("stopped"):  # a clean stop on SIGINT/SIGTERM (moetrain.train.stopping)
+        from moetrain.train.stopping import stop_line
+        if "RANK" not in os.environ:  # under torchrun rank 0 printed it already
+            print(stop_line(summary["stopped"]))
+        return summary["stopped"]["exit_code"]
     if summary and len(summary.get("val", [])) >= 2:
         (s0, v0), (s1, v1) = summary["val"][0], summary["val"][-1]
         print(f"validation loss: step {s0} {v0:.4f} -> step {s1} {v1:.4f} ({v1 / v0:.2%} of start)")
@@ -133,9 +224,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_count)
 
-    t = sub.add_parser("train", help="pre-train (default: tiny preset, built-in corpus, EP=2 over 2 workers)")
+    t = sub.add_parser("train", help="pre-train (default: tiny preset, built-in corpus, EP=2 over 2 workers)",
+                       epilog="Every other setting: --set SECTION.FIELD=VALUE or a job file; `moetrain train "
+                       "--help-config` lists every field with its type, default and meaning.")
     add_train_args(t)
-    t.set_defaults(func=cmd_train)
+    t.set_defaults(func=_cmd_train_or_help)
+
+    pr = sub.add_parser("prepare", help="tokenise and shard a corpus into the data cache that train reuses "
+                        "(prepare once, e.g. on shared storage before a multi-node run)",
+                        description="Tokenise and shard the corpus of a job (training a BPE first unless --tokenizer "
+                        "is given) into data.cache_dir, with a progress bar, and print the cache path. `moetrain "
+                        "train` with the same model and data options finds it and skips the preparation.")
+    add_job_args(pr)
+    pr.set_defaults(func=cmd_prepare)
 
     e = sub.add_parser("export", help="write a run's checkpoint in the released HF layout (safetensors, index, "
                        "config.json, tokenizer.json), never gathering the whole model")
