@@ -187,9 +187,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     summary = train_main(job_from_args(args), dry_run=args.dry_run, world=args.world)
     if summary and summary.get("stopped"):  # a clean stop on SIGINT/SIGTERM (moetrain.train.stopping)
-        from moetrain.train.stopping import stop_line
+        from moetrain.train.stopping import resume_command, stop_line
         if "RANK" not in os.environ:  # under torchrun rank 0 printed it already
-            print(stop_line(summary["stopped"]))
+            print(stop_line({**summary["stopped"], "resume": resume_command()}))  # this process's command line
         return summary["stopped"]["exit_code"]
     if summary and len(summary.get("val", [])) >= 2:
         (s0, v0), (s1, v1) = summary["val"][0], summary["val"][-1]

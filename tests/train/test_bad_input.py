@@ -56,11 +56,7 @@ def test_tokenizer_larger_than_model_vocab(capsys, tmp_path):
 
 
 def test_checkpoint_from_a_different_model(capsys, tmp_path):
-    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
-    ckpt.mkdir(parents=True)
-    from moetrain.model.config import tiny
-    (ckpt / "trainer_state.json").write_text(json.dumps({"model_config": tiny().replace(dim=64).to_dict()}))
-    (ckpt / "COMPLETE").write_text("10\n")
+    _real_checkpoint(tmp_path / "run", dim=64)
     code, err, _ = _train(capsys, "--resume", "--out", str(tmp_path / "run"))
     assert code == 2 and "different model" in err and "dim" in err
 
@@ -73,6 +69,7 @@ def test_unreadable_config_file(capsys, tmp_path):
 
 
 def _fake_checkpoint(run, step=10, **model_changes):
+    """A COMPLETE-marked directory holding only a trainer state (no DCP metadata or shards): a damaged checkpoint."""
     from moetrain.model.config import tiny
     ckpt = run / "checkpoints" / f"step_{step:08d}"
     ckpt.mkdir(parents=True)
@@ -80,6 +77,23 @@ def _fake_checkpoint(run, step=10, **model_changes):
                                                          "step": step, "loader": {"seq_len": 64}}))
     (ckpt / "COMPLETE").write_text(f"{step}\n")
     return ckpt
+
+
+def _real_checkpoint(run, step=10, **model_changes):
+    """A complete checkpoint of the tiny model (with ``model_changes``) as moetrain train writes it."""
+    from moetrain.config import JobConfig
+    from moetrain.model import build_model
+    from moetrain.model.config import tiny
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.mesh import init_parallel
+    from moetrain.train.checkpoint import save_checkpoint
+    from moetrain.train.optim import build_optimizer
+
+    cfg = tiny().replace(**model_changes)
+    ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
+    model = build_model(cfg, seed=0)
+    state = {"model_config": cfg.to_dict(), "loader": {"seq_len": 64}, "job": JobConfig().to_dict()}
+    return save_checkpoint(run, step, model, build_optimizer(model, 1e-3), state, ctx)
 
 
 def test_fresh_run_into_a_directory_with_checkpoints(capsys, tmp_path):
@@ -95,9 +109,7 @@ def test_damaged_checkpoint(capsys, tmp_path):
 
 
 def test_resume_past_the_last_step(capsys, tmp_path):
-    ckpt = _fake_checkpoint(tmp_path / "run", step=10)
-    (ckpt / ".metadata").write_text("x")
-    (ckpt / "__0_0.distcp").write_text("x")
+    _real_checkpoint(tmp_path / "run", step=10)
     code, err, _ = _train(capsys, "--resume", "--steps", "8", "--out", str(tmp_path / "run"))
     assert code == 2 and "nothing to do" in err
 

@@ -1,4 +1,5 @@
-"""A non-finite loss stops the run, naming the step and the last good checkpoint."""
+"""A non-finite loss stops the run, naming the step and the last good checkpoint; the worker's failure reaches the
+user as one line (type, message, rank, step) with the full traceback in the run's log."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import moetrain.train.trainer as trainer
 from moetrain.config import load_job_config
 from moetrain.data import prepare_data
+from moetrain.train.stopping import WorkerFailure
 
 
 def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
@@ -29,7 +31,11 @@ def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer, "train_step", flaky_step)
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(trainer.NonFiniteLossError) as e:
+    with pytest.raises(WorkerFailure) as e:
         trainer.run(job, prep)
+    assert isinstance(e.value.original, trainer.NonFiniteLossError)
     msg = str(e.value)
-    assert "step 3" in msg and "step_00000002" in msg
+    assert msg.startswith("rank 0 at step 3: NonFiniteLossError: loss became nan at step 3")
+    assert "step_00000002" in msg and "lower train.lr" in msg
+    log = tmp_path / "run" / "logs" / "rank-0.log"
+    assert str(log) in msg and "Traceback" in log.read_text() and "in _run" in log.read_text()

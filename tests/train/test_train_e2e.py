@@ -142,3 +142,62 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
     assert f"resumed from step {start} of {out}" in p.stdout, p.stdout
     got, want = _losses(out), _losses(full_out)
     assert [got[s] for s in range(start + 1, STEPS + 1)] == [want[s] for s in range(start + 1, STEPS + 1)]
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while True:
+        m = out / "metrics.jsonl"
+        if m.is_file() and any(json.loads(l).get("step", 0) >= step for l in m.read_text().splitlines() if l.strip()):
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, f"step {step} not reached in time"
+        time.sleep(0.1)
+
+
+def test_sigterm_checkpoints_says_how_to_resume_and_resumes_exactly(uninterrupted, cache, tmp_path):
+    full_out, _ = uninterrupted
+    out = tmp_path / "pre-empted"
+    proc = subprocess.Popen(_cmd(out, cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_step(out, 12, proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as a scheduler's pre-emption does
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, log[-2000:]
+    assert "Traceback" not in log, log[-3000:]
+    line = next(l for l in log.splitlines() if "stopped by SIGTERM" in l)
+    stopped = int(line.split("after step ")[1].split(";")[0])
+    assert 12 <= stopped < STEPS and f"step_{stopped:08d}" in line
+    assert "continue with: " in line and line.rstrip().endswith("--resume") and str(out) in line
+    assert (out / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
+    p = subprocess.run(_cmd(out, cache, "--resume"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    got, want = _losses(out), _losses(full_out)
+    assert [got[s] for s in range(stopped + 1, STEPS + 1)] == [want[s] for s in range(stopped + 1, STEPS + 1)]
+
+
+def test_second_signal_exits_at_once(cache, tmp_path):
+    out = tmp_path / "impatient"
+    proc = subprocess.Popen(_cmd(out, cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for_step(out, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the launcher and its workers
+    os.killpg(proc.pid, signal.SIGINT)
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, log[-2000:]
+    time.sleep(1)
+    assert not _worker_pids(proc.pid)  # no worker outlives the launcher
+
+
+def test_a_worker_failure_is_one_line_with_the_traceback_in_the_log(cache, tmp_path):
+    out = tmp_path / "diverges"
+    p = subprocess.run(_cmd(out, cache, "--set", "train.lr=1e5", "--set", "train.min_lr=0", "--set",
+                            "train.warmup_steps=0", "--set", "train.max_grad_norm=0"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    err = [l for l in p.stderr.splitlines() if not l.startswith("[moetrain] data:")]  # progress goes to stderr
+    assert len(err) == 1 and "Traceback" not in p.stderr and "py_callstack" not in p.stderr, p.stderr
+    assert err[0].startswith("moetrain train: error: a training worker failed: rank ")
+    assert " at step " in err[0] and "NonFiniteLossError: loss became nan" in err[0] and "lower train.lr" in err[0]
+    rank = err[0].split("failed: rank ")[1].split()[0]
+    log = out / "logs" / f"rank-{rank}.log"
+    assert str(log) in err[0] and "Traceback (most recent call last)" in log.read_text()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import uuid
 from typing import Any
@@ -29,6 +30,7 @@ from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
 from moetrain.errors import CheckpointError
 from moetrain.train.checkpoint import latest_checkpoint, resume_checkpoint
+from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import check_same_data, check_same_tokenizer_file, check_schedule_unchanged
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
@@ -57,7 +59,8 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
         for bad, why in skipped:
             print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
         if ckpt is None:
-            raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies (see above); delete the "
+            why = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
+            raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies ({why}); delete the "
                                   f"damaged ones to start over, or choose a new --out")
         state = check_checkpoint_compatible(ckpt, job)
         saved = state.get("loader", {})
@@ -100,12 +103,42 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     return prep
 
 
-def _worker(job_dict: dict[str, Any], prep_dict: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+def _worker(job_dict: dict[str, Any], prep_dict: dict[str, Any], dry_run: bool = False,
+            report_stop: bool = True) -> dict[str, Any]:
     job = job_config_from_dict(job_dict)
     if not job.train.threads_per_proc and job.train.device != "cuda":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    return run(job, PreparedData(**prep_dict), dry_run=dry_run)
+    return run(job, PreparedData(**prep_dict), dry_run=dry_run, report_stop=report_stop)
+
+
+def _kill_workers() -> None:
+    """A second signal to the launcher: end the workers at once (they would outlive it otherwise)."""
+    import multiprocessing
+
+    for p in multiprocessing.active_children():
+        p.kill()
+
+
+def _failure_message(e: Any, job: JobConfig) -> str:
+    """One line for a failed worker: the first failure's own one-line message (rank, step, exception, where its
+    traceback is) -- or how it died -- and how to continue."""
+    ckpt = latest_checkpoint(job.train.out_dir)
+    hint = f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written"
+    rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)  # the root cause fails first
+    msg = first.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", json.dumps(msg))
+    msg = (msg or "").strip()
+    if msg.startswith("WorkerFailure: "):
+        reason = msg.removeprefix("WorkerFailure: ").splitlines()[0]
+    elif first.exitcode < 0:
+        reason = f"rank {rank} was killed by signal {-first.exitcode}"
+    else:
+        reason = f"rank {rank} exited with code {first.exitcode}" + (f": {msg.splitlines()[-1]}" if msg else "")
+    if "checkpoint" in reason:  # the worker's own message already says where to go on from
+        return f"a training worker failed: {reason}"
+    return f"a training worker failed: {reason}; {hint}"
 
 
 def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) -> dict[str, Any] | None:
@@ -134,18 +167,20 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # SIGINT/SIGTERM are moetrain's (moetrain.train.stopping): torch's launcher would turn them into an exception
+    # and kill the workers mid-step
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moetrain-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
+                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, in one line
+    clear_stop_file(job.train.out_dir)
+    stop = StopRequest(out_dir=job.train.out_dir, on_second=_kill_workers).install()
     try:
-        results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run)
+        results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run, False)
     except ChildFailedError as e:
-        ckpt = latest_checkpoint(job.train.out_dir)
-        hint = (f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written")
-        rank, first = next(iter(e.failures.items()))  # keyed by global rank
-        msg = first.message if isinstance(first.message, str) else json.dumps(first.message)
-        reason = msg.strip().splitlines()[-1] if msg.strip() else f"killed by signal {-first.exitcode}" \
-            if first.exitcode < 0 else "no message"
-        raise RuntimeError(f"a training worker failed (rank {rank}, exit code {first.exitcode}): {reason}; "
-                           f"{hint}") from None
+        raise RuntimeError(_failure_message(e, job)) from None
+    finally:
+        stop.uninstall()
+        clear_stop_file(job.train.out_dir)
     return results[0]

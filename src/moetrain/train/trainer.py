@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_tr
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
 from moetrain.train.optim import build_optimizer, lr_at, set_lr
 from moetrain.train.resume import data_fingerprint
+from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure, resume_command, stop_line
 from moetrain.train.step import train_step
 
 
@@ -90,17 +92,34 @@ def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: Parall
     return float(total[0] / total[1].clamp(min=1))
 
 
-def run(job: JobConfig, prep: PreparedData, dry_run: bool = False) -> dict[str, Any]:
+def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: bool = True) -> dict[str, Any]:
     """Train ``job`` on prepared data; returns the summary (rank 0's view). Called on every worker. ``dry_run`` does
-    all set-up (mesh, meta build, parallelize, materialise, ``train.init_from``), reports memory, runs no step."""
+    all set-up (mesh, meta build, parallelize, materialise, ``train.init_from``), reports memory, runs no step.
+
+    A first SIGINT/SIGTERM stops the run after the current step with a checkpoint (:mod:`moetrain.train.stopping`;
+    the summary's "stopped" says where); rank 0 prints the line that says how to continue when ``report_stop``
+    (moetrain's own launcher prints it itself).
+
+    Raises:
+        WorkerFailure: any error of this worker, in one line (type, message, rank, step); the traceback goes to
+            ``out_dir/logs/rank-<rank>.log``.
+    """
     tc = job.train
     if tc.threads_per_proc:
         torch.set_num_threads(tc.threads_per_proc)
-    ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
+    stop = StopRequest().install()
+    progress: dict[str, Any] = {"step": None}
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return _run(job, prep, ctx, dry_run)
+        ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
+        try:
+            return _run(job, prep, ctx, dry_run, stop, progress, report_stop)
+        finally:
+            shutdown()
+    except Exception as e:  # noqa: BLE001 - every failure reaches the user in one line, with its log
+        raise record_failure(e, tc.out_dir, rank, progress["step"]) from None
     finally:
-        shutdown()
+        stop.uninstall()
 
 
 def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
@@ -116,8 +135,11 @@ def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype |
     return model
 
 
-def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool = False) -> dict[str, Any]:
+def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool, stop: StopRequest,
+         progress: dict[str, Any], report_stop: bool) -> dict[str, Any]:
     tc, cfg = job.train, job.model
+    if ctx.is_main and "RANK" in os.environ and report_stop:
+        clear_stop_file(tc.out_dir)  # a stale request of an earlier run; the config check below orders it first
     check_same_config(ctx, job.to_dict())
     amp = autocast_dtype(job, ctx.device)
     # A resumed checkpoint supersedes the initial weights, so they are not read at all then.
@@ -175,7 +197,9 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
         sink.start_progress(tc.steps, start_step)
     window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
     result = None
+    stopped: dict[str, Any] | None = None
     for step in range(start_step, tc.steps):
+        progress["step"] = step + 1
         lr = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
                    schedule=tc.schedule)
         set_lr(optimizer, lr)
@@ -183,9 +207,10 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
         batches = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)) for x, y in batches]
         result = train_step(model, optimizer, batches, cfg, ctx, tc.max_grad_norm, amp)
         if not math.isfinite(result.loss):
-            where = f"the last good checkpoint is {last_ckpt}" if last_ckpt else "no checkpoint was written yet"
-            raise NonFiniteLossError(f"loss became {result.loss} at step {step + 1}; {where}. Lower train.lr or "
-                                     f"resume from that checkpoint.")
+            fix = (f"resume from the last good checkpoint {last_ckpt} with a lower train.lr (--resume --set "
+                   f"train.lr=... --set train.allow_schedule_change=true)" if last_ckpt else
+                   "no checkpoint was written yet: lower train.lr and start again")
+            raise NonFiniteLossError(f"loss became {result.loss} at step {step + 1}; {fix}")
         window_tokens += tokens_per_step
         window_steps += 1
         done = step + 1
@@ -233,17 +258,24 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
             if sink:
                 sink.write({"kind": "val", "step": done, "val_loss": v})
                 sink.print(f"step {done:>5} | val loss {v:.4f}")
-        if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps:
+        signum = stop.agreed(tc.out_dir, ctx) if done < tc.steps else 0
+        if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps or signum:
             last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
                                         {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
                                          "job": job.to_dict(), "data": fingerprint}, ctx, tc.keep_ckpts)
         window_t += time.perf_counter() - t_pause
+        if signum:
+            stopped = {"signal": signal.Signals(signum).name, "exit_code": 128 + signum, "step": done,
+                       "checkpoint": str(last_ckpt), "resume": resume_command()}
+            if sink and report_stop:
+                sink.print(stop_line(stopped))
+            break
     summary = {"steps": tc.steps, "start_step": start_step, "val": history["val"], "train": history["train"],
                "world": ctx.world_size, "ep": ctx.pcfg.ep, "out_dir": tc.out_dir,
-               "checkpoint": str(last_ckpt) if last_ckpt else None}
+               "checkpoint": str(last_ckpt) if last_ckpt else None, "stopped": stopped}
     if sink:
         vals = history["val"]
-        if len(vals) >= 2:
+        if len(vals) >= 2 and not stopped:
             sink.print(f"[moetrain] done: val loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} "
                        f"(step {vals[-1][0]}); metrics in {tc.out_dir}/metrics.jsonl; checkpoint {last_ckpt}")
         sink.write({"kind": "summary", "step": tc.steps, **{k: v for k, v in summary.items() if k != "train"}})
