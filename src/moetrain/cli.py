@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             json.JSONDecodeError) as e:
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"moetrain {args.command}: interrupted", file=sys.stderr)
+        return 130
     except RuntimeError as e:
         if args.command != "train":
             raise

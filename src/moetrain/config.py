@@ -236,6 +236,9 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
                               f"there); give the directory holding config.json and the safetensors files")
         if preset is None and hf_config is None:
             hf_config = str(init / "config.json")  # the architecture comes with the weights
+        data_raw = sections.setdefault("data", {})
+        if (init / "tokenizer.json").is_file() and not data_raw.get("tokenizer"):
+            data_raw["tokenizer"] = str(init / "tokenizer.json")  # and the token ids the weights were trained on
     if hf_config is not None:
         from moetrain.interop.hf import load_hf_config
         base = load_hf_config(hf_config)

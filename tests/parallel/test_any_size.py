@@ -23,7 +23,8 @@ def single():
     return {n: t.detach().clone() for n, t in list(model.named_parameters()) + list(model.named_buffers())}
 
 
-@pytest.mark.parametrize("dp,ep", [(2, 1), (1, 2), (2, 2), (1, 4)])
+# DP = 3 divides no expert dim of the tiny model: its experts are sharded on dim 0 (strided under EP = 2)
+@pytest.mark.parametrize("dp,ep", [(2, 1), (1, 2), (2, 2), (1, 4), (3, 1), (3, 2)])
 def test_meta_build_equals_single_process_weights(single, dp, ep):
     ranks = ok_values(run_ranks(dp * ep, meta_build_run, {"ep": ep}))
     total = sum(t.numel() for n, t in single.items() if not n.endswith("expert_bias"))
@@ -31,8 +32,8 @@ def test_meta_build_equals_single_process_weights(single, dp, ep):
         assert r["params"].keys() == single.keys()
         for name, want in single.items():
             assert torch.equal(r["params"][name], want), name  # bit-identical, not merely close
-        # each rank materialised a shard, not the model
-        assert r["local_numel"] <= total / (dp * ep) * 1.05 + 4096, (r["local_numel"], total)
+        # each rank materialised a shard, not the model (uneven shards of 3 ranks hold up to one expert more)
+        assert r["local_numel"] <= total / (dp * ep) * 1.05 + 4096 + total / 16, (r["local_numel"], total)
     assert sum(r["local_numel"] for r in ranks) == total
 
 

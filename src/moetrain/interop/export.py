@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moetrain.interop.dcp_read import BoxRequest, DCPKeyError, checkpoint_tensors, read_boxes
+from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
 from moetrain.errors import CheckpointError
 from moetrain.interop.hf import HFSpec, hf_specs, write_hf_checkpoint
 from moetrain.model.config import ModelConfig
@@ -34,6 +34,9 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
     from moetrain.train.checkpoint import STEP_DIR, checkpoint_dir, latest_checkpoint
 
     root = checkpoint_dir(run_dir)
+    if step is None and root.is_dir() and latest_checkpoint(run_dir) is None and list(root.glob(".tmp-step_*")):
+        raise CheckpointError(f"{run_dir} holds only an interrupted checkpoint save ({root}/.tmp-*), no complete "
+                              f"checkpoint; resume the run (--resume) to write one")
     done = sorted(int(STEP_DIR.match(p.name).group(1)) for p in root.glob("step_*")
                   if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()) if root.is_dir() else []
     if step is None:
@@ -59,7 +62,14 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
         CheckpointError: no such checkpoint, one without the model config, or one of an older layout.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
+    run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if out == run or out in run.parents:
+        raise CheckpointError(f"the export directory {out_dir} would contain (and, replaced, delete) the run "
+                              f"{run_dir} itself; export to a new directory, e.g. {Path(run_dir) / 'hf'}")
+    from moetrain.train.checkpoint import verify_checkpoint
+
     ckpt = find_checkpoint(run_dir, step)
+    verify_checkpoint(ckpt)  # the trainer's checks (marker, state, metadata, shard sizes), before writing anything
     state = json.loads((ckpt / "trainer_state.json").read_text())
     if "model_config" not in state:
         raise CheckpointError(f"{ckpt}/trainer_state.json has no model_config; it was not written by moetrain train")
@@ -106,8 +116,9 @@ def _read_shard(ckpt: Path, shard: list[HFSpec]) -> dict[str, torch.Tensor]:
         boxes[name] = (e0, box)
     try:
         read_boxes(ckpt, requests)
-    except DCPKeyError as e:
-        raise CheckpointError(f"{ckpt}: {e}") from None
+    except (DCPReadError, OSError) as e:
+        raise CheckpointError(f"{ckpt} cannot be read ({type(e).__name__}: {e}); export an earlier checkpoint with "
+                              f"--step") from None
     for name, sps in stacked.items():
         e0, box = boxes[name]
         for sp in sps:

@@ -43,6 +43,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -202,12 +203,26 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_dict(out)
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF ``config.json`` dict of ``cfg`` (DeepSeek-V3 keys, released style plus v5 ``rope_parameters``).
+def is_v2_layout(cfg: ModelConfig) -> bool:
+    """A DeepSeek-V2-style model (softmax router, no expert-bias balancing): written as ``deepseek_v2``, whose HF
+    modeling routes with a softmax and has no ``e_score_correction_bias`` -- ``DeepseekV3`` hard-codes the sigmoid."""
+    return cfg.score_func == "softmax" and cfg.bias_update_rate == 0
 
-    ``config_from_hf(config_to_hf(cfg)) == cfg`` for every valid config. Note that HF's ``DeepseekV3`` modeling
-    hard-codes the sigmoid router; a softmax-router config keeps ``scoring_func`` for tools that honour it.
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The HF ``config.json`` dict of ``cfg`` (DeepSeek-V3 keys, released style plus v5 ``rope_parameters``; a
+    V2-style model, :func:`is_v2_layout`, as ``deepseek_v2``).
+
+    ``config_from_hf(config_to_hf(cfg)) == cfg`` for every valid config.
+
+    Raises:
+        ConfigError: a V2-style model with several expert groups (V2's group-limited routing scores a group by its
+            best expert, moetrain by its top-2 sum: no HF architecture routes this way).
     """
+    if is_v2_layout(cfg) and cfg.n_expert_groups > 1:
+        raise ConfigError(f"a softmax-routed model with model.n_expert_groups={cfg.n_expert_groups} has no HF "
+                          "architecture that routes like it (DeepSeek-V2 scores a group by its best expert); export "
+                          "needs n_expert_groups=1 or sigmoid routing")
     rope_scaling = None
     extra: dict[str, Any] = {name: getattr(cfg, name) for name in TRAINING_FIELDS}
     if cfg.rope_factor > 1.0:
@@ -221,9 +236,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     else:
         rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         extra.update({name: getattr(cfg, name) for name in _YARN_FIELDS})
+    v2 = is_v2_layout(cfg)
     return {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v2" if v2 else "deepseek_v3",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
@@ -236,7 +252,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts_per_tok": cfg.top_k,
         "n_group": cfg.n_expert_groups,
         "topk_group": cfg.n_limited_groups,
-        "topk_method": "noaux_tc",
+        "topk_method": "greedy" if v2 else "noaux_tc",
         "scoring_func": cfg.score_func,
         "norm_topk_prob": cfg.norm_topk,
         "routed_scaling_factor": cfg.route_scale,
@@ -537,19 +553,22 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
     seen: set[str] = set()
     res = LoadResult(files=[str(f) for f in files])
 
-    def read_scale(f, fpath: Path, key: str) -> torch.Tensor:
+    def read_scale(f, fpath: Path, key: str, header: bool = False) -> Any:
+        """The ``_scale_inv`` of FP8 tensor ``key`` (its shape only, with ``header``)."""
         scale_key = key + "_scale_inv"
         if scale_key in file_keys:
-            return f.get_tensor(scale_key)
+            return tuple(f.get_slice(scale_key).get_shape()) if header else f.get_tensor(scale_key)
         other = weight_map.get(scale_key)
         if other is not None and other != fpath:
-            with safe_open(str(other), framework="pt", device="cpu") as g:
-                return g.get_tensor(scale_key)
+            with _open_safetensors(other) as g:
+                return tuple(g.get_slice(scale_key).get_shape()) if header else g.get_tensor(scale_key)
         raise CheckpointError(f"FP8 tensor {key!r} has no {scale_key!r} in the checkpoint")
 
     def load(f, fpath: Path, key: str, entry: _Entry) -> bool:
         """Copy this rank's part of HF tensor ``key`` into ``entry``'s tensor; False if it holds none of it."""
         hit = _overlap(entry, boxes[id(entry.tensor)])
+        if hit is not None and f.get_slice(key).get_dtype() in _FP8_ST_DTYPES and check_only:
+            _check_scale_shape(key, tuple(f.get_slice(key).get_shape()), read_scale(f, fpath, key, header=True))
         if hit is None or check_only:
             return hit is not None
         hf_sl, dst = hit
@@ -562,7 +581,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
         return True
 
     for fpath in files:
-        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+        with _open_safetensors(fpath) as f:
             file_keys = set(f.keys())
             for key in f.keys():
                 if key.endswith("_scale_inv") or key.endswith(_IGNORED_SUFFIXES):
@@ -570,6 +589,8 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
                 if weight_map and weight_map.get(key, fpath) != fpath:
                     continue  # the index assigns it to another shard; read it there
                 entry = by_name.get(key)
+                if entry is not None and entry.copy and key == "lm_head.weight" and not check_only:
+                    _check_tied_head(f, fpath, weight_map, entry, boxes[id(entry.tensor)], path)
                 pk = packed_by_name.get(key) if entry is None else None
                 if pk is not None:
                     entry = pk.entry
@@ -602,6 +623,9 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
     if mtp_optional and mtp_names and not (mtp_names & seen):
         res.mtp_missing = True
         res.missing = [n for n in res.missing if n not in mtp_names]
+    bias_names = {e.hf_name for e in entries if e.hf_name.endswith("e_score_correction_bias")}
+    if is_v2_layout(model.cfg) and not (bias_names & seen):
+        res.missing = [n for n in res.missing if n not in bias_names]  # V2 has none: the biases stay zero
     if strict and (res.missing or res.unexpected):
         parts = []
         if res.missing:
@@ -611,8 +635,50 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike, strict: bool =
             parts.append(f"{len(res.unexpected)} checkpoint tensor(s) have no place in the model, e.g. "
                          f"{res.unexpected[:5]}")
         raise CheckpointError(f"checkpoint {path} does not match the model ({'; '.join(parts)}); is it from a "
-                              "different model/config? Pass strict=False to load what matches.")
+                              "different model or config?")
     return res
+
+
+@contextmanager
+def _open_safetensors(path: str | os.PathLike) -> Iterator[Any]:
+    """``safe_open`` whose failure on a damaged file (truncated, garbage, empty) names the file."""
+    try:
+        cm = safe_open(str(path), framework="pt", device="cpu")
+        f = cm.__enter__()
+    except Exception as e:  # noqa: BLE001 - SafetensorError and friends
+        raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); re-download or "
+                              f"re-export it") from None
+    try:
+        yield f
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def _check_tied_head(f: Any, fpath: Path, weight_map: dict[str, Path], entry: _Entry, box: Any, path: Path) -> None:
+    """A model that ties its head to the embedding may load a checkpoint that stores the head too only if the two are
+    equal (some exports write both); a distinct head would be silently dropped. Compares this rank's box."""
+    hit = _overlap(entry, box)
+    if hit is None:
+        return
+    hf_sl, _ = hit
+    head = f.get_slice("lm_head.weight")[hf_sl]
+    other = weight_map.get("model.embed_tokens.weight", fpath)
+    if other == fpath:
+        emb = f.get_slice("model.embed_tokens.weight")[hf_sl]
+    else:
+        with _open_safetensors(other) as g:
+            emb = g.get_slice("model.embed_tokens.weight")[hf_sl]
+    if not torch.equal(head, emb):
+        raise CheckpointError(f"{path} has its own lm_head.weight, different from the embedding, but the model ties "
+                              f"them (model.tie_embeddings=true): loading would drop the head; untie them "
+                              f"(--set model.tie_embeddings=false)")
+
+
+def _check_scale_shape(key: str, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> None:
+    want = tuple(math.ceil(n / FP8_BLOCK) for n in shape)
+    if len(shape) != 2 or scale_shape != want:
+        raise CheckpointError(f"FP8 tensor {key!r} of shape {_fmt_shape(shape)} has a {key}_scale_inv of shape "
+                              f"{_fmt_shape(scale_shape)}; {FP8_BLOCK}x{FP8_BLOCK} blocks need {_fmt_shape(want)}")
 
 
 def check_hf_checkpoint(cfg: ModelConfig, path: str | os.PathLike, mtp_optional: bool = False) -> LoadResult:
@@ -702,9 +768,12 @@ def hf_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[HFSpec]
     """The tensors a HF checkpoint of ``model`` holds, in checkpoint order (the model may be on meta: only names,
     global shapes and dtypes are used). ``dtype`` casts floating tensors; the router bias stays fp32."""
     specs = []
+    v2 = is_v2_layout(model.cfg)
     for e in _entries(model)[0]:
         if e.copy and e.hf_name == "lm_head.weight" and model.cfg.tie_embeddings:
             continue
+        if v2 and e.hf_name.endswith("e_score_correction_bias"):
+            continue  # V2 has no expert bias (and a V2-style run never moves it: bias_update_rate = 0)
         src = e.tensor.dtype
         t_dtype = torch.float32 if e.hf_name.endswith("e_score_correction_bias") else dtype
         out = t_dtype if (t_dtype is not None and src.is_floating_point) else src
@@ -726,7 +795,8 @@ def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
     """
     target = Path(path)
     if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
+        raise FileExistsError(f"{target} exists; choose another directory, or replace it (moetrain export "
+                              f"--overwrite)")
     shards: list[list[HFSpec]] = [[]]
     size = 0
     total = 0
@@ -742,6 +812,8 @@ def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
     names = [f"model-{i + 1:05d}-of-{N:05d}.safetensors" for i in range(N)]
 
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):  # left by a killed earlier write of this target
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     old: Path | None = None
     try:
@@ -750,6 +822,7 @@ def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
         for fname, shard in zip(names, shards):
             tensors = fetch(shard)
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o644)  # readable like the index and config beside it
             fsync_path(tmp / fname)
             weight_map.update({sp.hf_name: fname for sp in shard})
             del tensors

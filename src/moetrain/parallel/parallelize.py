@@ -77,12 +77,11 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
+        dp = ctx.dp_mesh.size()
         for moe in model.moe_layers():
-            # Shard dim 1 (2F or D): dim 0 is already split over EP, and a second split of it over DP would be a
-            # strided placement; dim 1 keeps the shards plain 2-D boxes that DCP saves and reshards directly.
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
             fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1,
-                        shard_placement_fn=lambda p: Shard(1), **kw)
+                        shard_placement_fn=lambda p: expert_shard_dim(p.shape, dp), **kw)
         for block in blocks:
             fully_shard(block, mesh=ctx.fsdp_mesh, **kw)
         fully_shard(model, mesh=ctx.fsdp_mesh, **kw)
@@ -92,6 +91,16 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
                 mod.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def expert_shard_dim(shape: tuple[int, ...], dp: int) -> Shard:
+    """The dim FSDP2 shards a stacked expert weight (E, N, K) on over DP: the first of dim 1 (2F or D) and dim 2 that
+    DP divides -- dim 0 is already split over EP, and FSDP2 refuses uneven shards of any dim but 0 -- else dim 0
+    (a strided split of the EP shard when EP > 1; uneven is allowed there, e.g. DP = 3)."""
+    for d in (1, 2):
+        if shape[d] % dp == 0:
+            return Shard(d)
+    return Shard(0)
 
 
 def place_experts(experts: GroupedExperts, ctx: ParallelContext) -> None:

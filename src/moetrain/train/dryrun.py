@@ -143,7 +143,11 @@ def dry_run_world(job: JobConfig, world: int) -> dict[str, Any]:
         print(format_report([row], pred, f"[moetrain] dry run on meta: {job.preset} ({total:,} parameters) as rank "
                                          f"0 of {world} (DP={ctx.pcfg.dp} EP={ctx.pcfg.ep}); nothing allocated, no "
                                          f"process started"))
-        return {"dry_run": True, "world": world, "ranks": [asdict(row)], "predicted_gib": pred,
-                "total_params": total}
+        summary = {"dry_run": True, "world": world, "ranks": [asdict(row)], "predicted_gib": pred,
+                   "total_params": total}
+        out = Path(job.train.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dry_run.json").write_text(json.dumps(summary, indent=2))
+        return summary
     finally:
         dist.destroy_process_group()

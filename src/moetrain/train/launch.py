@@ -43,7 +43,46 @@ def default_nproc(job: JobConfig) -> int:
     return 2
 
 
-def preflight(job: JobConfig, world_size: int) -> PreparedData:
+#: Largest ``--dry-run --world``: the fake process group still builds an N-rank mesh here (about 1 GiB at 10^6).
+MAX_DRY_RUN_WORLD = 131072
+
+
+def available_memory_bytes(device: str) -> tuple[int, str]:
+    """(bytes a process may use, what was read): the first GPU's total memory on CUDA, else MemAvailable for the whole
+    machine (the local processes share it)."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory, "per GPU"
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "available on this machine"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "on this machine"
+
+
+def check_memory(job: JobConfig, world_size: int, local_procs: int, dry_run: bool) -> None:
+    """Refuse, before anything is allocated, a layout whose fp32 shards cannot fit: a dry run allocates each rank's
+    weights, training also their gradients and AdamW's two moments (4x; activations come on top).
+
+    Raises:
+        ConfigError: naming the need, what the machine has, and the ways on (more processes, ``--dry-run --world``).
+    """
+    from moetrain.accounting import count_params
+
+    per_rank = count_params(job.model).total_with_mtp * 4 / world_size * (1 if dry_run else 4)
+    device = resolve_device(job)
+    have, what = available_memory_bytes(device)
+    need = per_rank if device == "cuda" else per_rank * local_procs
+    if need > have:
+        kind = "weights" if dry_run else "weights, gradients and AdamW states"
+        raise ConfigError(f"{job.preset} needs about {per_rank / 2**30:.1f} GiB per process for its fp32 {kind} on "
+                          f"{world_size} processes ({need / 2**30:.1f} GiB here), but {have / 2**30:.1f} GiB is "
+                          f"{what}: use more processes or GPUs, or a smaller model; `moetrain train --dry-run --world "
+                          f"N` shows a layout's memory without allocating it")
+
+
+def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> PreparedData:
     """All checks that need no worker, then data preparation (cached). Returns the prepared data.
 
     Raises:
@@ -52,6 +91,7 @@ def preflight(job: JobConfig, world_size: int) -> PreparedData:
     job.parallel.resolve(world_size, job.model.n_routed_experts)
     if resolve_device(job) == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
+    check_memory(job, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), dry_run)
     ckpt = latest_checkpoint(job.train.out_dir)
     state = None
     if job.train.resume and ckpt is not None:
@@ -153,17 +193,18 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) 
     if world is not None:
         if not dry_run:
             raise ConfigError("--world N describes a layout that does not exist here; it needs --dry-run")
-        if world < 1:
-            raise ConfigError(f"--world {world} must be >= 1")
+        if not 1 <= world <= MAX_DRY_RUN_WORLD:
+            raise ConfigError(f"--world {world} must be between 1 and {MAX_DRY_RUN_WORLD:,} (the device mesh of the "
+                              f"layout is built in this process)")
         from moetrain.train.dryrun import dry_run_world
         return dry_run_world(job, world)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
-        prep = preflight(job, world)
+        prep = preflight(job, world, dry_run)
         summary = _worker(job.to_dict(), dataclasses.asdict(prep), dry_run)
         return summary if int(os.environ["RANK"]) == 0 else None
     nproc = default_nproc(job)
-    prep = preflight(job, nproc)
+    prep = preflight(job, nproc, dry_run)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
