@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
     e.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("plot", help="loss curves and expert-load heatmap of a run, as PNG")
+    p = sub.add_parser("plot", help="loss, learning rate and grad norm; expert load and share per MoE layer over steps (PNG)")
     p.add_argument("run_dir", nargs="?", default="runs/default")
     p.add_argument("--out", help="output directory (default: the run directory)")
     p.set_defaults(func=cmd_plot)
