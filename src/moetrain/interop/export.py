@@ -2,10 +2,11 @@
 
 The checkpoint holds every tensor under its global shape, saved as the ranks' boxes. The exporter builds the model on
 the meta device only for its names and shapes (:func:`moetrain.interop.hf.hf_specs`), then writes the safetensors
-shards one at a time (:func:`moetrain.interop.hf.write_hf_checkpoint`); each shard's tensors are read with one
+shards one at a time (:func:`moetrain.interop.hf.write_hf_checkpoint`); a shard's whole tensors are read with one
 :func:`moetrain.interop.dcp_read.read_boxes` call, the per-expert tensors of one stacked expert weight as one box
-covering the shard's experts (so a saved chunk is deserialised once per shard, not once per expert). Peak memory: one
-output shard plus one saved chunk.
+covering the shard's experts (so a saved chunk is deserialised once per shard, not once per expert), one stacked
+weight at a time. Peak memory: one output shard plus one stacked box and one saved chunk (BENCHMARKS.md, "Any model
+size").
 """
 
 from __future__ import annotations
@@ -95,33 +96,31 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
 
 
 def _read_shard(ckpt: Path, shard: list[HFSpec]) -> dict[str, torch.Tensor]:
-    """The tensors of one output shard. Whole tensors are read as they are; the per-expert tensors of each stacked
-    expert weight through one box over the experts this shard holds."""
+    """The tensors of one output shard. Whole tensors are read as they are (one call); the per-expert tensors of
+    each stacked expert weight through one box over the experts this shard holds, one stacked weight at a time, so
+    the transient memory beyond the shard itself is one such box."""
     out: dict[str, torch.Tensor] = {}
-    requests: list[BoxRequest] = []
+    whole: list[BoxRequest] = []
     stacked: dict[str, list[HFSpec]] = {}
     for sp in shard:
         if len(sp.region) == len(sp.shape):  # a whole tensor
             dest = torch.empty(sp.shape, dtype=sp.dtype)
-            requests.append(BoxRequest(f"model.{sp.name}", sp.region, dest))
+            whole.append(BoxRequest(f"model.{sp.name}", sp.region, dest))
             out[sp.hf_name] = dest
         else:
             stacked.setdefault(sp.name, []).append(sp)
-    boxes = {}
-    for name, sps in stacked.items():
-        e0, e1 = min(s.region[0] for s in sps), max(s.region[0] for s in sps) + 1
-        full = checkpoint_tensors(ckpt)[f"model.{name}"].shape
-        box = torch.empty((e1 - e0, *full[1:]), dtype=sps[0].dtype)
-        requests.append(BoxRequest(f"model.{name}", (e0,) + (0,) * (len(full) - 1), box))
-        boxes[name] = (e0, box)
     try:
-        read_boxes(ckpt, requests)
+        read_boxes(ckpt, whole)
+        for name, sps in stacked.items():
+            e0, e1 = min(s.region[0] for s in sps), max(s.region[0] for s in sps) + 1
+            full = checkpoint_tensors(ckpt)[f"model.{name}"].shape
+            box = torch.empty((e1 - e0, *full[1:]), dtype=sps[0].dtype)
+            read_boxes(ckpt, [BoxRequest(f"model.{name}", (e0,) + (0,) * (len(full) - 1), box)])
+            for sp in sps:  # own storage per tensor: safetensors refuses tensors that share memory
+                e, r = sp.region[0], sp.region[1]
+                out[sp.hf_name] = box[e - e0, r:r + sp.shape[0]].clone()
+            del box
     except (DCPReadError, OSError) as e:
         raise CheckpointError(f"{ckpt} cannot be read ({type(e).__name__}: {e}); export an earlier checkpoint with "
                               f"--step") from None
-    for name, sps in stacked.items():
-        e0, box = boxes[name]
-        for sp in sps:
-            e, r = sp.region[0], sp.region[1]
-            out[sp.hf_name] = box[e - e0, r:r + sp.shape[0]].clone()
     return {sp.hf_name: out[sp.hf_name] for sp in shard}
