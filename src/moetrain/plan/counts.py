@@ -174,7 +174,8 @@ def _count(cfg: ModelConfig, B: int, L: int) -> dict[str, tuple[float, float, fl
         return float(t.ops), float(t.bytes), float(t.softmax)
 
     class PassThrough(nn.Module):
-        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, None]:
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    valid: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
             return x, None
 
     torch.manual_seed(0)
