@@ -142,6 +142,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
     assert f"resumed from step {start} of {out}" in p.stdout, p.stdout
     got, want = _losses(out), _losses(full_out)
     assert [got[s] for s in range(start + 1, STEPS + 1)] == [want[s] for s in range(start + 1, STEPS + 1)]
+    # the damaged one is set aside, not rotated in over the good one the run resumed from
+    assert (out / "checkpoints" / f"damaged-{newest.name}").is_dir() and (previous / "COMPLETE").is_file()
 
 
 def _wait_for_step(out: Path, step: int, proc: subprocess.Popen) -> None:

@@ -29,7 +29,7 @@ from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
 from moetrain.errors import CheckpointError
-from moetrain.train.checkpoint import latest_checkpoint, resume_checkpoint
+from moetrain.train.checkpoint import latest_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import check_same_data, check_same_tokenizer_file, check_schedule_unchanged
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
@@ -97,11 +97,19 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
     if job.train.resume and ckpt is not None:
         ckpt, skipped = resume_checkpoint(job.train.out_dir)
         for bad, why in skipped:
-            print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
+            if ckpt is not None:  # set aside, not deleted: rotation would otherwise keep it over the good ones
+                kept = bad.with_name(f"damaged-{bad.name}")
+                os.replace(bad, kept)
+                print(f"[moetrain] skipping checkpoint {bad.name}: {why}; moved to {kept.name}")
+            else:
+                print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
         if ckpt is None:
             why = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
             raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies ({why}); delete the "
                                   f"damaged ones to start over, or choose a new --out")
+        state = read_trainer_state(ckpt)
+        if job.data.tokenizer:
+            check_same_tokenizer_file(ckpt, state, job)  # first: another tokenizer also changes the vocabulary
         state = check_checkpoint_compatible(ckpt, job)
         saved = state.get("loader", {})
         if saved.get("seq_len") not in (None, job.data.seq_len):
@@ -121,8 +129,6 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
     if not job.train.resume and ckpt is not None:
         raise ConfigError(f"{job.train.out_dir} already holds checkpoints (newest {ckpt.name}); pass --resume to "
                           f"continue that run, or choose a new --out")
-    if state is not None and job.data.tokenizer:
-        check_same_tokenizer_file(ckpt, state, job)  # before tokenising anything
     prep = prepare_data(job.data)
     if state is not None:
         check_same_data(ckpt, state, prep, job)
@@ -155,7 +161,9 @@ def _worker(job_dict: dict[str, Any], prep_dict: dict[str, Any], dry_run: bool =
 def _kill_workers() -> None:
     """A second signal to the launcher: end the workers at once (they would outlive it otherwise)."""
     import multiprocessing
+    import sys
 
+    print("[moetrain] second signal: stopping at once; the newest complete checkpoint is kept", file=sys.stderr)
     for p in multiprocessing.active_children():
         p.kill()
 
@@ -220,6 +228,8 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) 
     try:
         results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run, False)
     except ChildFailedError as e:
+        if stop.signum:  # interrupted before the workers could install their own handlers (start-up)
+            raise KeyboardInterrupt from None
         raise RuntimeError(_failure_message(e, job)) from None
     finally:
         stop.uninstall()
