@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,8 +45,10 @@ class StopRequest:
     _previous: dict[int, Any] = field(default_factory=dict)
 
     def install(self) -> "StopRequest":
-        for s in SIGNALS:
-            self._previous[s] = signal.signal(s, self._handle)
+        """Take SIGINT and SIGTERM (only the main thread may; elsewhere the process's own handling stays)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def uninstall(self) -> None:
