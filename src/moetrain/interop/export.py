@@ -32,14 +32,13 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
     Raises:
         CheckpointError: no complete checkpoint (at that step), naming the ones there are.
     """
-    from moetrain.train.checkpoint import STEP_DIR, checkpoint_dir, latest_checkpoint
+    from moetrain.train.checkpoint import STEP_DIR, checkpoint_dir, complete_checkpoints, latest_checkpoint
 
     root = checkpoint_dir(run_dir)
     if step is None and root.is_dir() and latest_checkpoint(run_dir) is None and list(root.glob(".tmp-step_*")):
         raise CheckpointError(f"{run_dir} holds only an interrupted checkpoint save ({root}/.tmp-*), no complete "
                               f"checkpoint; resume the run (--resume) to write one")
-    done = sorted(int(STEP_DIR.match(p.name).group(1)) for p in root.glob("step_*")
-                  if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()) if root.is_dir() else []
+    done = [int(STEP_DIR.match(p.name).group(1)) for p in complete_checkpoints(run_dir)]
     if step is None:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:

@@ -47,13 +47,19 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``out_dir/checkpoints``, or None."""
+def complete_checkpoints(out_dir: str | Path) -> list[Path]:
+    """The COMPLETE-marked ``step_<N>`` directories under ``out_dir/checkpoints``, oldest first."""
     root = checkpoint_dir(out_dir)
     if not root.is_dir():
-        return None
+        return []
     done = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()]
-    return max(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
+    return sorted(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``out_dir/checkpoints``, or None."""
+    done = complete_checkpoints(out_dir)
+    return done[-1] if done else None
 
 
 def _barrier(ctx: ParallelContext) -> None:
@@ -107,9 +113,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
             os.replace(final, root / f".trash-{final.name}")
         os.replace(tmp, final)
         fsync_path(root)
-        done = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()),
-                      key=lambda p: p.name)
-        for old in done[:-keep]:
+        for old in complete_checkpoints(out_dir)[:-keep]:
             # Rename first: an interrupted delete must not leave a COMPLETE-marked directory missing shards.
             trash = root / f".trash-{old.name}"
             os.replace(old, trash)
@@ -173,13 +177,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
 def resume_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint of ``out_dir`` that verifies (:func:`verify_checkpoint`), and the newer ones
     skipped, each with the reason. (None, skipped) when none verifies."""
-    root = checkpoint_dir(out_dir)
-    if not root.is_dir():
-        return None, []
-    done = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / "COMPLETE").is_file()),
-                  key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
     skipped = []
-    for p in done:
+    for p in reversed(complete_checkpoints(out_dir)):
         try:
             verify_checkpoint(p)
         except CheckpointError as e:
