@@ -36,6 +36,10 @@ class TrainConfig:
             from a checkpoint of the run.
         allow_schedule_change: let a resume change the learning-rate schedule (lr, min_lr, warmup_steps,
             schedule, or steps under a decaying schedule); refused otherwise, since it changes the LR mid-run.
+        fp8: FP8 GEMMs: "none", "blockwise" (DeepSeek-V3: E4M3, 1x128 activation/gradient tiles, 128x128 weight
+            blocks, fp32 scales) or "mxfp8" (OCP MX: 32-element blocks, E8M0 scales). Dense, shared-expert and
+            routed-expert FFNs, MLA projections; embedding, head, router, norms and attention stay high precision
+            (docs/fp8.md). Emulated exactly (quantise, fp32 GEMM) where the hardware has no FP8 GEMM.
     """
 
     steps: int = 400
@@ -65,6 +69,7 @@ class TrainConfig:
     threads_per_proc: int = 0
     init_from: str | None = None
     allow_schedule_change: bool = False
+    fp8: Literal["none", "blockwise", "mxfp8"] = "none"
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):
@@ -83,5 +88,7 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r}; allowed: 'auto', 'cuda', 'cpu'")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ConfigError(f"train.dtype={self.dtype!r}; allowed: 'auto', 'bf16', 'fp32'")
+        if self.fp8 not in ("none", "blockwise", "mxfp8"):
+            raise ConfigError(f"train.fp8={self.fp8!r}; allowed: 'none', 'blockwise', 'mxfp8'")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1)")

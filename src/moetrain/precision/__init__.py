@@ -1,0 +1,17 @@
+"""FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes, ``apply_fp8``.
+
+* :mod:`~moetrain.precision.quant` -- E4M3 casts, tile/block scales (fp32 and E8M0), dequantisation.
+* :mod:`~moetrain.precision.gemm` -- FP8 GEMM reference (fp32 GEMM of dequantised operands) and fast paths.
+* :mod:`~moetrain.precision.linear` -- autograd FP8 linear (fprop, dgrad, wgrad) and :class:`Fp8Linear`.
+* :mod:`~moetrain.precision.grouped` -- aligned expert groups and the FP8 grouped GEMM of the routed experts.
+* :mod:`~moetrain.precision.recipe` -- the "blockwise" (DeepSeek-V3) and "mxfp8" (OCP MX) recipes.
+
+See docs/fp8.md for the recipes and their sources.
+"""
+
+from moetrain.precision.apply import apply_fp8
+from moetrain.precision.quant import E4M3_MAX, FP8_DTYPE, Quantized, cast_e4m3, fake_quantise, quantise
+from moetrain.precision.recipe import BLOCKWISE, MXFP8, RECIPE_NAMES, RECIPES, Fp8Recipe, get_recipe
+
+__all__ = ["apply_fp8", "E4M3_MAX", "FP8_DTYPE", "Quantized", "cast_e4m3", "fake_quantise", "quantise", "BLOCKWISE",
+           "MXFP8", "RECIPE_NAMES", "RECIPES", "Fp8Recipe", "get_recipe"]

@@ -1,0 +1,143 @@
+"""FP8 quantisation reference: E4M3 casts with saturation, tile/block scales, dequantisation.
+
+This module defines the numerics every FP8 path in moetrain must reproduce. A tensor is cut into tiles of
+``(tile_rows, tile_cols)`` over its last two dims (leading dims, e.g. experts, are batch); each tile gets one scale
+``s`` and its elements are stored as ``e4m3(x / s)``; dequantised, an element is ``e4m3 * s``. Tiles at the edge of a
+dim that is not a multiple of the tile are the remainder (as if zero-padded: zeros never raise a tile's amax), as
+the released DeepSeek-V3 weights do ("zero-padded to 128 before calculating the scale", README_WEIGHTS.md; see
+docs/reference.md section 12).
+
+Two scale formats:
+
+* ``"fp32"`` (DeepSeek-V3 blockwise, arXiv 2412.19437 sec. 3.3.2): ``s = amax / 448`` in fp32, so the tile's largest
+  magnitude maps to E4M3's largest normal, 448. The released checkpoint stores this ``s`` as ``weight_scale_inv``.
+* ``"e8m0"`` (OCP Microscaling Formats v1.0, sec. 6.3): ``s = 2 ** (floor(log2(amax)) - emax_elem)`` with
+  ``emax_elem = 8`` for E4M3 (448 = 1.75 * 2**8), the exponent clamped to E8M0's range [-127, 127]. Elements of
+  ``x / s`` can reach 2**9 - ulp, above 448: the conversion saturates them to 448 (the spec's clamp to the largest
+  normal).
+
+A tile whose elements are all zero gets scale 1 (``"fp32"``) or 2**-127 (``"e8m0"``, the smallest E8M0 value) and
+zero data, never 0/0. NaN inputs stay NaN. Tile shapes used by the recipes: (1, 128) activations and gradients,
+(128, 128) weights, (128, 1) token-dim tiles for the weight-gradient GEMM, (1, 32) / (32, 1) MXFP8 blocks.
+
+Shape legend: M rows, N columns of the last two dims; Mt = ceil(M / tile_rows), Nt = ceil(N / tile_cols).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+#: The FP8 element format of every GEMM operand (OCP FP8 E4M3, "fn": no infinities, one NaN pattern).
+FP8_DTYPE = torch.float8_e4m3fn
+#: Largest finite E4M3 value (1.75 * 2**8).
+E4M3_MAX = 448.0
+#: Exponent of E4M3's largest normal (OCP MX v1.0, table of element formats: emax = 8 for FP8 E4M3).
+E4M3_EMAX = 8
+#: E8M0 scale exponent range (OCP MX v1.0 sec. 5.4.1: bias 127, exponents -127..127, 0xFF is NaN).
+E8M0_MIN_EXP, E8M0_MAX_EXP, E8M0_BIAS = -127, 127, 127
+
+ScaleFormat = Literal["fp32", "e8m0"]
+
+
+@dataclass
+class Quantized:
+    """An FP8 tensor with one scale per tile of its last two dims.
+
+    Attributes:
+        data: float8_e4m3fn, (..., M, N), the source's shape.
+        scale: fp32, (..., Mt, Nt): the dequantisation scale of each tile (element = data * scale).
+        tile: (tile_rows, tile_cols).
+        fmt: "fp32" (any positive fp32 scale) or "e8m0" (powers of two).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    tile: tuple[int, int]
+    fmt: ScaleFormat
+
+    def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The represented values, (..., M, N) in ``dtype`` (computed in fp32)."""
+        return (self.data.float() * expand_tiles(self.scale, self.tile, self.data.shape[-2:])).to(dtype)
+
+    def scale_e8m0_bits(self) -> torch.Tensor:
+        """The E8M0 encoding (uint8, biased exponent) of ``scale``; only for ``fmt == "e8m0"``.
+
+        Raises:
+            ValueError: the scales are not E8M0 (``fmt == "fp32"``).
+        """
+        if self.fmt != "e8m0":
+            raise ValueError("scale_e8m0_bits() needs fmt='e8m0' scales (powers of two)")
+        return (torch.frexp(self.scale)[1] - 1 + E8M0_BIAS).to(torch.uint8)
+
+
+def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to float8_e4m3fn (round to nearest even) with saturation: |x| > 448 becomes +-448, NaN stays NaN.
+
+    The clamp makes saturation explicit: the E4M3 "fn" format has no infinity, and a plain cast is not guaranteed to
+    saturate on every backend. Shapes: any -> same, dtype float8_e4m3fn.
+    """
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def _pad_to_tiles(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    M, N = x.shape[-2:]
+    pr, pc = (-M) % tile[0], (-N) % tile[1]
+    return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
+
+
+def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """Largest magnitude of each tile of the last two dims: (..., M, N) -> fp32 (..., Mt, Nt). NaN propagates."""
+    tr, tc = tile
+    xp = _pad_to_tiles(x.float(), tile)
+    *lead, Mp, Np = xp.shape
+    return xp.view(*lead, Mp // tr, tr, Np // tc, tc).abs().amax(dim=(-3, -1))
+
+
+def scales_from_amax(amax: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
+    """Dequantisation scales (fp32, same shape) from tile maxima, per the format (see the module docstring).
+
+    ``"fp32"``: amax / 448, or 1 where that is zero (an all-zero tile, or an fp32 amax so small it underflows).
+    ``"e8m0"``: 2 ** clamp(floor(log2(amax)) - 8, -127, 127); 2**-127 for zero tiles. floor(log2) comes exactly from
+    the fp32 exponent (frexp), never from a rounded logarithm. NaN amax gives a NaN scale in both formats.
+    """
+    if fmt == "fp32":
+        s = amax / E4M3_MAX
+        return torch.where((s > 0) | torch.isnan(s), s, torch.ones_like(s))
+    if fmt == "e8m0":
+        exp = torch.frexp(amax)[1] - 1 - E4M3_EMAX  # frexp: amax = m * 2**e with m in [0.5, 1)
+        exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN_EXP)).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+        s = torch.ldexp(torch.ones_like(amax), exp)
+        return torch.where(torch.isnan(amax), amax, s)
+    raise ValueError(f"scale format {fmt!r}; allowed: 'fp32', 'e8m0'")
+
+
+def expand_tiles(scale: torch.Tensor, tile: tuple[int, int], shape: torch.Size | tuple[int, int]) -> torch.Tensor:
+    """Broadcast per-tile values (..., Mt, Nt) to the elements (..., M, N) of the last two dims ``shape``."""
+    M, N = shape
+    s = scale.repeat_interleave(tile[0], dim=-2) if tile[0] > 1 else scale
+    s = s.repeat_interleave(tile[1], dim=-1) if tile[1] > 1 else s
+    return s[..., :M, :N]
+
+
+def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> Quantized:
+    """Quantise ``x`` (..., M, N), any float dtype, to E4M3 with one scale per ``tile`` of its last two dims.
+
+    Returns a :class:`Quantized` with data ``cast_e4m3(x / s)`` and scales ``s`` from :func:`scales_from_amax`.
+    Raises ValueError for a tensor of fewer than 2 dims or a tile dim < 1.
+    """
+    if x.dim() < 2:
+        raise ValueError(f"quantise needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
+    if min(tile) < 1:
+        raise ValueError(f"tile {tile} must have positive dims")
+    scale = scales_from_amax(tile_amax(x, tile), fmt)
+    data = cast_e4m3(x.float() / expand_tiles(scale, tile, x.shape[-2:]))
+    return Quantized(data, scale, tuple(tile), fmt)
+
+
+def fake_quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> torch.Tensor:
+    """``quantise(x, tile, fmt).dequantise()``: the fp32 values an FP8 GEMM actually multiplies, (..., M, N)."""
+    return quantise(x, tile, fmt).dequantise()

@@ -1,0 +1,99 @@
+"""FP8 training recipes: which operand of which GEMM is quantised with which tiles.
+
+A linear layer y = x W^T (x (M, K) tokens x in-features, W (N, K) out x in) runs three GEMMs per step, each with
+both operands quantised along its contraction dim:
+
+==========  ===================  =======================  =========================  ===========================
+GEMM        product              contraction              blockwise (DeepSeek-V3)    mxfp8 (OCP MX, Blackwell)
+==========  ===================  =======================  =========================  ===========================
+fprop       y = x W^T            K (in-features)          x 1x128, W 128x128         x 1x32, W 1x32 (along K)
+dgrad       dx = dy W            N (out-features)         dy 1x128, W 128x128        dy 1x32, W 32x1 (along N)
+wgrad       dW = dy^T x          M (tokens)               dy 128x1, x 128x1          dy 32x1, x 32x1
+==========  ===================  =======================  =========================  ===========================
+
+Blockwise: DeepSeek-V3 report (arXiv 2412.19437) sec. 3.3.2 (1x128 activation tiles, 128x128 weight blocks, fp32
+scales, E4M3 everywhere, fp32 accumulation) and sec. 3.3.3 (the Linear's input is cached in FP8 for the backward;
+its appendix on hardware notes that the 1x128 FP8 activations are dequantised, transposed and re-quantised into
+128x1 tiles for the weight gradient). A 128x128 weight block is the same block read row- or column-wise, so one
+quantised W serves fprop and dgrad. MXFP8: OCP MX v1.0 (32-element blocks, E8M0 scales); every operand is scaled
+along its GEMM's contraction dim, so W is quantised once per direction from the high-precision weight, as
+Transformer Engine's MXFP8 recipe keeps a row-wise and a column-wise copy (docs/reference.md section 12).
+
+Kept in high precision by both recipes (DeepSeek-V3 sec. 3.3.1): embedding, output head, MoE router, norms, the
+attention core (softmax(QK^T)V); master weights, gradients and optimizer state are the model's own dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moetrain.precision.quant import ScaleFormat
+
+RecipeName = Literal["none", "blockwise", "mxfp8"]
+RECIPE_NAMES: tuple[str, ...] = ("none", "blockwise", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """One FP8 training recipe.
+
+    Attributes:
+        name: "blockwise" or "mxfp8".
+        fmt: scale format, "fp32" (any scale) or "e8m0" (powers of two).
+        block: tile length along a GEMM's contraction dim for activations and gradients (128 or 32).
+        weight_block: True when W uses square ``block x block`` tiles shared by fprop and dgrad (DeepSeek-V3);
+            False when W is tiled 1 x block along each GEMM's contraction dim (MX).
+        requantise_saved_input: the wgrad GEMM's x is the fprop's FP8 copy, dequantised and re-quantised in
+            token-dim tiles (DeepSeek-V3 caches the Linear input in FP8); False: quantised from the saved input.
+        group_align: rows of each expert group are padded to a multiple of this for the routed-expert grouped
+            GEMM, so the token-dim tiles of its wgrad never straddle two experts (a multiple of ``block``, and of
+            the 16 / 32 rows grouped FP8 kernels need).
+    """
+
+    name: str
+    fmt: ScaleFormat
+    block: int
+    weight_block: bool
+    requantise_saved_input: bool
+    group_align: int
+
+    @property
+    def row_tile(self) -> tuple[int, int]:
+        """Tile of an operand whose contraction dim is its last: (1, block)."""
+        return (1, self.block)
+
+    @property
+    def col_tile(self) -> tuple[int, int]:
+        """Tile of an operand whose contraction dim is its first (wgrad's token dim): (block, 1)."""
+        return (self.block, 1)
+
+    @property
+    def weight_fprop_tile(self) -> tuple[int, int]:
+        """Tile of W (N, K) in fprop (contraction over K)."""
+        return (self.block, self.block) if self.weight_block else (1, self.block)
+
+    @property
+    def weight_dgrad_tile(self) -> tuple[int, int]:
+        """Tile of W (N, K) in dgrad (contraction over N)."""
+        return (self.block, self.block) if self.weight_block else (self.block, 1)
+
+
+BLOCKWISE = Fp8Recipe("blockwise", "fp32", 128, weight_block=True, requantise_saved_input=True, group_align=128)
+MXFP8 = Fp8Recipe("mxfp8", "e8m0", 32, weight_block=False, requantise_saved_input=False, group_align=32)
+RECIPES: dict[str, Fp8Recipe] = {"blockwise": BLOCKWISE, "mxfp8": MXFP8}
+
+
+def get_recipe(recipe: str | Fp8Recipe | None) -> Fp8Recipe | None:
+    """The recipe of a ``train.fp8`` value: None for "none" or None, else the :class:`Fp8Recipe`.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if recipe is None or isinstance(recipe, Fp8Recipe):
+        return recipe
+    if recipe == "none":
+        return None
+    if recipe not in RECIPES:
+        raise ValueError(f"FP8 recipe {recipe!r}; allowed: {', '.join(map(repr, RECIPE_NAMES))}")
+    return RECIPES[recipe]
