@@ -173,6 +173,25 @@ REAL_ROUTING_SLOWDOWN = 1.15
 #: elements (DeepSeek 1x128 tiles; MXFP8's 1-byte scale per 32 elements is the same 1/32).
 FP8_BYTES = 1.0 + 1.0 / 32
 
+#: Host time to launch one CUDA kernel from an eager framework (driver + runtime call): about 4-6 us measured on
+#: a current driver (xiaguan/cuda-kernel-launch-lab; NVIDIA's "Getting Started with CUDA Graphs" blog measures
+#: the same order); docs/reference.md section 12. Whole-iteration CUDA graphs replay the kernels with no host call
+#: each, so a run with them pays none of it.
+HOST_S_PER_KERNEL = 5e-6
+
+#: Kernels one forward of a block launches in a fused Megatron / TE stack, counted from its operations (norm,
+#: projections, RoPE, attention, casts, residual; router, top-k, permute, dispatch, grouped GEMMs, activation,
+#: combine, unpermute, shared expert); the backward launches about twice as many. Graphable parts
+#: (attention, router, preprocess: Megatron ``cuda_graph_scope``) become one launch each under partial graphs.
+KERNELS_FWD = {"attention": 30, "moe_static": 20, "moe_dynamic": 25, "ffn": 8, "head": 6, "embedding": 2}
+
+#: SMs the expert-dispatch kernels hold while they run, by dispatcher (what an overlapped compute stream loses):
+#: HybridEP 32 (the record recipe's setting, docs/reference.md section 8); DeepEP as DeepSeek-V3 ran it 20 of 132
+#: (report sec. 3.2.2); NCCL all-to-all / all-gather (Megatron ``alltoall`` / ``allgather``): no published figure,
+#: assumed the same 32 as HybridEP. Divided by the GPU's SM count (``GPUSpec.sm_count``) this replaces the
+#: generation's ``comm_sm_share`` for catalogue GPUs.
+COMM_SMS = {"flex": 32, "flex-deepseek": 20, "alltoall": 32, "allgather": 32}
+
 #: Monte-Carlo samples used to estimate the number of distinct destination ranks / domains per token.
 ROUTING_SAMPLES = 4096
 
@@ -186,4 +205,7 @@ def all_constants() -> dict[str, object]:
         "RESERVED_GIB_CPU": RESERVED_GIB_CPU,
         "REAL_ROUTING_SLOWDOWN": REAL_ROUTING_SLOWDOWN,
         "FP8_BYTES": FP8_BYTES,
+        "HOST_S_PER_KERNEL": HOST_S_PER_KERNEL,
+        "KERNELS_FWD": dict(KERNELS_FWD),
+        "COMM_SMS": dict(COMM_SMS),
     }

@@ -57,6 +57,10 @@ class GPUSpec:
         matmul_curve: measured (matrix size n, TFLOP/s) points of an n x n x n matmul (local bench entries only).
         host_procs: processes the bench ran at once on one machine (local bench entries only): its rates hold for
             a run of that many processes, each with ``hbm_gb`` (the machine's memory divided among them).
+        sm_count: streaming multiprocessors (the communication kernels' SMs are a share of these; None = the
+            generation's ``comm_sm_share``).
+        power_w: the SKU's power limit (documentation: it is why HGX and NVL72 parts of one die have different
+            dense peaks in the datasheets, which are the rates used).
         source: where the numbers come from.
     """
 
@@ -76,6 +80,8 @@ class GPUSpec:
     softmax_gelem_s: float | None = None
     matmul_curve: tuple[tuple[int, float], ...] = field(default=())
     host_procs: int | None = None
+    sm_count: int | None = None
+    power_w: float | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -120,7 +126,8 @@ class GPUSpec:
 
 
 def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: float, hbm: float, hbm_bw: float,
-         nvl_bidir: float, domain: int, nic_gbit: float, sfu: float, source: str) -> GPUSpec:
+         nvl_bidir: float, domain: int, nic_gbit: float, sfu: float, source: str, sm: int | None = None,
+         power: float | None = None) -> GPUSpec:
     peaks = {"bf16": bf16, "fp8": fp8, "fp32": fp32}
     if gen == "blackwell":
         peaks["mxfp8"] = fp8
@@ -128,24 +135,33 @@ def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: 
         peaks["fp4"] = fp4
     return GPUSpec(name=name, generation=gen, peak_tflops=peaks, hbm_gb=hbm, hbm_tbps=hbm_bw,
                    nvlink_gbps=nvl_bidir / 2, nvlink_domain=domain, nic_gbps=nic_gbit / 8, sfu_texp=sfu,
-                   source=source)
+                   sm_count=sm, power_w=power, source=source)
 
 
 _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved to per-direction)"
 #: The built-in catalogue. FP32 is the non-tensor-core rate (the FP32 router GEMM runs there): 67 TFLOP/s on
 #: H100/H800/H200 SXM, 75 on HGX B200/B300, 80 per GPU of GB200/GB300 NVL72 (5,760 TFLOP/s per rack). SFU rates: Hopper 132 SMs x 16 exp/clk x ~1.83 GHz ~ 3.9e12/s; Blackwell ~5e12/s;
 #: Blackwell Ultra 10.7e12/s (NVIDIA Blackwell Ultra technical brief).
+#: Sustained rates: the datasheet dense peaks already differ by SKU where the power limit sets the clock (HGX B200
+#: at 1,000 W: 2.25 PF BF16; GB200 at 1,200 W: 2.5 PF; HGX B300 at 1,100 W: 2.25 PF; GB300 at 1,400 W: 2.5 PF),
+#: and what a GEMM or kernel reaches of them is the generation's efficiency (constants.py). SM counts: 132 on
+#: H100/H800/H200 SXM (H100 whitepaper), 148 on B200 / GB200, 160 on Blackwell Ultra B300 / GB300 (NVIDIA
+#: "Inside NVIDIA Blackwell Ultra"); docs/reference.md section 12.
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
-    _gpu("h100", "hopper", 989, 1979, None, 67, 80, 3.35, 900, 8, 400, 3.9, _DS + "; H100 SXM"),
+    _gpu("h100", "hopper", 989, 1979, None, 67, 80, 3.35, 900, 8, 400, 3.9, _DS + "; H100 SXM", sm=132, power=700),
     _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,
-         _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)"),
-    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM"),
-    _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0, _DS + "; HGX B200"),
+         _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)", sm=132,
+         power=700),
+    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM", sm=132, power=700),
+    _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0, _DS + "; HGX B200", sm=148,
+         power=1000),
     _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
-         "vendor datasheet (HGX B300; not in docs/reference.md): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
-         "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s"),
-    _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72"),
-    _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72"),
+         "vendor datasheet (HGX B300; docs/reference.md section 12): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
+         "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s", sm=160, power=1100),
+    _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72", sm=148,
+         power=1200),
+    _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72", sm=160,
+         power=1400),
 )}
 
 _ALIASES = {"h100-sxm": "h100", "h800-sxm": "h800", "h200-sxm": "h200", "gb200-nvl72": "gb200",

@@ -42,7 +42,10 @@ from typing import Any
 import numpy as np
 
 from moetrain.plan.constants import (
+    COMM_SMS,
     ELEMENTWISE_BWD_TO_FWD,
+    HOST_S_PER_KERNEL,
+    KERNELS_FWD,
     FP8_BYTES,
     REAL_ROUTING_SLOWDOWN,
     RESERVED_GIB,
@@ -53,8 +56,8 @@ from moetrain.plan.constants import (
 )
 from moetrain.plan.counts import CodeCounts
 from moetrain.plan.hardware import GPUSpec, get_gpu
-from moetrain.plan.plan import Plan, balanced_partition, default_items, layout_items, validate
-from moetrain.plan.shape import ModelShape, load_shape
+from moetrain.plan.plan import Plan, balanced_partition, default_items, layout_items, n_pipeline_stages, validate
+from moetrain.plan.shape import ModelShape, load_shape, with_mtp_depth
 
 GIB = float(1 << 30)
 TP_COLLECTIVE_LATENCY_S = 10e-6  # one NCCL all-gather / reduce-scatter call inside an NVLink domain
@@ -74,12 +77,16 @@ class RoutingStats:
         remote_domains: distinct destination domains other than the sender's (one NIC copy each).
         remote_domain_ranks: distinct destination ranks in those domains (NVLink forwarding there).
         ranks: all distinct destination ranks, the sender included.
+        same_domain_pairs, remote_pairs: (token, expert) pairs whose expert is on another rank of the sender's
+            domain / in another domain -- the rows an ``alltoall`` dispatcher sends (no deduplication).
     """
 
     same_domain_ranks: float
     remote_domains: float
     remote_domain_ranks: float
     ranks: float
+    same_domain_pairs: float = 0.0
+    remote_pairs: float = 0.0
 
 
 @lru_cache(maxsize=4096)
@@ -96,7 +103,7 @@ def routing_stats(n_experts: int, top_k: int, ep: int, ranks_per_domain: int, n_
     destination domain, forwarded over NVLink there (DeepEP / HybridEP).
     """
     if ep <= 1:
-        return RoutingStats(0.0, 0.0, 0.0, 1.0)
+        return RoutingStats(0.0, 0.0, 0.0, 1.0, 0.0, 0.0)
     rng = np.random.default_rng(seed)
     per_rank = n_experts // ep
     r = max(1, min(ranks_per_domain, ep))
@@ -117,6 +124,10 @@ def routing_stats(n_experts: int, top_k: int, ep: int, ranks_per_domain: int, n_
     ranks = experts // per_rank
     doms_of = ranks // r
     src_dom = (src // r)[:, None]
+    # (token, expert) pairs by destination, without deduplication
+    pair_dom = ranks // r
+    same_pairs = float(np.mean(np.sum((pair_dom == src_dom) & (ranks != src[:, None]), axis=1)))
+    remote_pairs = float(np.mean(np.sum(pair_dom != src_dom, axis=1)))
     same, rdoms, rranks, allr = 0.0, 0.0, 0.0, 0.0
     for i in range(samples):
         ur = np.unique(ranks[i])
@@ -128,7 +139,7 @@ def routing_stats(n_experts: int, top_k: int, ep: int, ranks_per_domain: int, n_
         rdoms += len(np.unique(ud[rem]))
     del doms_of
     return RoutingStats(float(same / samples), float(rdoms / samples), float(rranks / samples),
-                        float(allr / samples))
+                        float(allr / samples), same_pairs, remote_pairs)
 
 
 def _ranks_per_domain(ep: int, domain: int) -> int:
@@ -170,6 +181,7 @@ class ItemCost:
     a2a_s: float = 0.0
     tp_s: float = 0.0
     cp_s: float = 0.0
+    host_s: float = 0.0  # host launch time the GPU waits for (eager launches slower than the kernels run)
     attn_wgrad_s: float = 0.0  # weight-gradient GEMMs of the attention projections (a part of gemm_s)
     act_bytes: float = 0.0
     params_dense: float = 0.0
@@ -177,7 +189,8 @@ class ItemCost:
 
     @property
     def compute_s(self) -> float:
-        return self.gemm_s + self.grouped_s + self.attn_s + self.head_s + self.mem_s + self.recompute_s + self.overhead_s
+        return (self.gemm_s + self.grouped_s + self.attn_s + self.head_s + self.mem_s + self.recompute_s
+                + self.overhead_s + self.host_s)
 
     def time(self, overlap: bool, sm_share: float) -> tuple[float, float]:
         """(time of the item, exposed all-to-all part), communication outside the a2a included."""
@@ -224,6 +237,11 @@ class _Ctx:
         self.domain = gpu.nvlink_domain
         self.a2a_lat = gpu.a2a_latency_us * 1e-6 if gpu.a2a_latency_us is not None else eff.a2a_latency_s
         self.op_over = (gpu.op_overhead_us or 0.0) * 1e-6
+        # SMs the dispatch kernels take from an overlapped compute stream: the dispatcher's SM budget over the
+        # GPU's SMs (constants.COMM_SMS); GPUs without an SM count use the generation's share
+        d = p.resolved_dispatcher
+        sms = COMM_SMS["flex-deepseek" if d == "flex" and p.framework == "deepseek" else d]
+        self.comm_share = sms / gpu.sm_count if gpu.sm_count else eff.comm_sm_share
         r = _ranks_per_domain(p.ep, self.domain)
         self.rstats = routing_stats(shape.n_experts, shape.top_k, p.ep, r, shape.n_expert_groups,
                                     shape.n_limited_groups, p.node_limit_m)
@@ -342,9 +360,15 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         latents, upproj = 0.0, 0.0
         qkv = a * (s.q_width + 2 * s.n_kv_heads * s.qk_head_dim)
     normed = q * h
-    if "norm" in rc:
+    if "layernorm" in rc:
         normed = 0.0
         cost.recompute_s += n * (2 * h + 2 * h) / c.hbm
+    core_out = a * s.o_width + 4 * s.n_heads
+    if "core_attn" in rc:
+        # Megatron ``core_attn``: the attention kernel's output and softmax statistics are dropped and its forward
+        # runs again in the backward (a third of the fused kernel's forward + backward time)
+        core_out = 0.0
+        cost.recompute_s += cost.attn_s / 3
     if "mla_up_proj" in rc and s.attention == "mla":
         upproj, qkv = 0.0, 0.0   # MLA up-projections (and the q/k/v built from them) recomputed
         up = [(T, s.kv_lora, s.n_heads * (nope + s.v_head_dim) / tp, 1)]
@@ -353,7 +377,7 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         cost.recompute_s += tu / 3 + n * (4 * s.q_width + 2 * s.n_heads * (nope + s.v_head_dim)) / c.hbm
     # the attention output is saved once (the attention kernel and the output projection share it, as in
     # DeepSeek-V3's E5M6 cache and Megatron's "save the original input" FP8 recompute)
-    cost.act_bytes += n * (2 * h + normed + latents + a * s.o_width + 4 * s.n_heads + upproj + qkv)
+    cost.act_bytes += n * (2 * h + normed + latents + core_out + upproj + qkv)
     # tensor parallel (sequence parallel): all-gather before the projections, reduce-scatter after, fwd + bwd
     if tp > 1:
         by = (tp - 1) / tp * T * h * 2
@@ -365,8 +389,10 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         cost.cp_s += max(0.0, t_cp - cost.attn_s)
 
 
-def _ffn_item(c: _Ctx, cost: ItemCost, width: int, params: float, flops_per_token: float) -> None:
-    """A TP-split SwiGLU FFN (dense FFN or the shared experts)."""
+def _ffn_item(c: _Ctx, cost: ItemCost, width: int, params: float, flops_per_token: float,
+              recompute: bool = False) -> None:
+    """A TP-split SwiGLU FFN (dense FFN or the shared experts). ``recompute``: the FFN is recomputed from its input
+    in the backward (Megatron ``mlp`` / ``shared_experts``): its forward runs twice, only the input is kept."""
     p, n, h = c.plan, c.n, c.shape.dim
     if width <= 0:
         return
@@ -376,17 +402,44 @@ def _ffn_item(c: _Ctx, cost: ItemCost, width: int, params: float, flops_per_toke
     cost.params_dense += params / p.tp
     t, cast = c.gemm_time(f, [(T, h, 2 * width / p.tp, 1), (T, width / p.tp, h, 1)], c.gemm_peak)
     cost.gemm_s += t
-    cost.mem_s += cast + n * 6 * width * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
-    cost.act_bytes += n * (c.act_q * h + 2 * 2 * width + c.act_q * width)
+    mem = n * 6 * width * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
+    cost.mem_s += cast + mem
+    if recompute:
+        cost.recompute_s += t / 3 + mem / (1 + ELEMENTWISE_BWD_TO_FWD)
+        cost.act_bytes += n * c.act_q * h
+    else:
+        cost.act_bytes += n * (c.act_q * h + 2 * 2 * width + c.act_q * width)
     if p.tp > 1:
         by = (p.tp - 1) / p.tp * T * h * 2
         cost.tp_s += 4 * (by / c.link(p.tp > c.domain) + TP_COLLECTIVE_LATENCY_S)
 
 
+def a2a_rows(c: _Ctx) -> tuple[float, float]:
+    """(rows over NVLink, rows over the NIC) that one GPU sends per token in one dispatch (or receives in one
+    combine), by dispatcher (docs/reference.md section 10), from the routing statistics:
+
+    * ``flex`` (DeepEP, HybridEP, Megatron flex): one row per distinct destination rank; across NVLink domains one
+      per destination domain, forwarded over NVLink to the ranks there.
+    * ``alltoall`` (Megatron alltoall, TorchTitan): one row per (token, expert) pair whose expert is elsewhere,
+      straight to its rank (over the NIC when that rank is in another domain).
+    * ``allgather``: every token to every other rank of the EP group (the combine reduce-scatters the same
+      volume); across domains each domain receives the others' tokens once over its r NICs, then NVLink.
+    """
+    st, p = c.rstats, c.plan
+    d = p.resolved_dispatcher
+    if d == "alltoall":
+        return st.same_domain_pairs, st.remote_pairs
+    if d == "allgather":
+        r = _ranks_per_domain(p.ep, c.domain)
+        return float(p.ep - 1), float(p.ep - r) / r
+    return st.same_domain_ranks + st.remote_domain_ranks, st.remote_domains
+
+
 def _a2a_pass_time(c: _Ctx, bytes_per_elem: float) -> float:
-    st, h = c.rstats, c.shape.dim
-    nvl = c.n * (st.same_domain_ranks + st.remote_domain_ranks) * h * bytes_per_elem
-    nic = c.n * st.remote_domains * h * bytes_per_elem
+    h = c.shape.dim
+    rows_nvl, rows_nic = a2a_rows(c)
+    nvl = c.n * rows_nvl * h * bytes_per_elem
+    nic = c.n * rows_nic * h * bytes_per_elem
     t = max(nvl / c.nvl, nic / c.nic if nic else 0.0)
     return t * c.imb + c.a2a_lat
 
@@ -397,9 +450,10 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     rc = p.recomputed
     # router: an FP32 GEMM (Megatron moe_router_dtype=fp32, DeepSeek's FP32 gating), not in the model FLOPs
     cost.params_dense += s.n_experts * h / p.tp
-    t, _ = c.gemm_time(6.0 * n * h * s.n_experts, [(n, h, s.n_experts, 1)], c.fp32_peak, fp8=False)
-    cost.gemm_s += t
-    _ffn_item(c, cost, s.shared_ffn, 3 * h * s.shared_ffn, fb.shared)
+    t_router, _ = c.gemm_time(6.0 * n * h * s.n_experts, [(n, h, s.n_experts, 1)], c.fp32_peak, fp8=False)
+    cost.gemm_s += t_router
+    _ffn_item(c, cost, s.shared_ffn, 3 * h * s.shared_ffn, fb.shared,
+              recompute="shared_experts" in rc and "moe" not in rc)
     # routed experts: n*k assignments per GPU on average, the busiest rank gets imbalance x that
     f = fb.routed * n
     cost.flops += f
@@ -416,7 +470,7 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     # saved activations: residual, router input and scores, expert inputs, fc1 outputs (SwiGLU input), fc2 inputs
     q = c.act_q
     normed = 2 * h
-    if "norm" in rc:
+    if "layernorm" in rc:
         normed = 0.0
         cost.recompute_s += n * 4 * h / c.hbm
     swiglu_in, swiglu_out = 2 * 2 * F, q * F
@@ -424,17 +478,23 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
         swiglu_in, swiglu_out = q * 2 * F, 0.0
         cost.recompute_s += n * k * c.imb * 6 * F / c.hbm
     act = 2 * h + normed + 4 * s.n_experts + k * c.imb * (q * h + swiglu_in + swiglu_out + 8)
+    if "moe" in rc:
+        # Megatron ``moe``: the whole MoE block runs again from its input in the backward (router, dispatch,
+        # experts, combine): a third of its GEMM time, its forward memory traffic, two more all-to-all passes
+        act = 2 * h
+        cost.recompute_s += ((cost.grouped_s + t_router) / 3
+                             + n * fwd / c.hbm)
     cost.act_bytes += n * act
     # expert all-to-all: dispatch + combine forward, the same two directions in backward
     act_b = 4.0 if p.precision == "fp32" else 2.0
     d_b = FP8_BYTES if p.dispatch_precision == "fp8" else act_b
     passes = [d_b, act_b, d_b, act_b]
-    if p.recompute == "full":
-        passes += [d_b, 2.0]
+    if p.recompute == "full" or "moe" in rc:
+        passes += [d_b, act_b]
     if p.ep > 1:
         # + one metadata exchange (tokens per expert) before each forward dispatch; a system whose dispatcher makes
         # a known number of calls per layer (moetrain's own, for local runs) pays one latency per call instead
-        extra = c.counts.a2a_calls - len(passes) if c.counts is not None else (2 if p.recompute == "full" else 1)
+        extra = c.counts.a2a_calls - len(passes) if c.counts is not None else (2 if len(passes) > 4 else 1)
         cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * max(0.0, extra)
 
 
@@ -470,6 +530,28 @@ def _ops_overhead(c: _Ctx, kind: str) -> float:
     return 3 * per_fwd * c.op_over
 
 
+def host_launch_s(c: _Ctx, kind: str) -> float:
+    """Host time to launch one item's kernels for one micro-batch (forward + backward, about 1 + 2 x the forward's
+    kernels), by CUDA-graph coverage: none with whole-iteration graphs, the graphable parts (attention, router,
+    preprocess) as one launch each with partial graphs, every kernel eagerly without (constants.KERNELS_FWD,
+    HOST_S_PER_KERNEL). Zero on measured CPU machines, whose per-operator overhead is measured instead."""
+    g = c.plan.resolved_cuda_graphs
+    if g == "full" or c.gpu.generation == "cpu":
+        return 0.0
+    k = KERNELS_FWD
+    fp8_casts = 1.5 if c.fp8 else 1.0  # an FP8 GEMM adds a quantisation kernel next to about every second kernel
+    attn = 1 if g == "partial" else k["attention"] * fp8_casts
+    moe_static = 1 if g == "partial" else k["moe_static"]
+    per_fwd = {"E": k["embedding"], "L": k["head"],
+               "d": attn + k["ffn"] * fp8_casts,
+               "t": attn + moe_static + k["moe_dynamic"] * fp8_casts + (k["ffn"] if c.shape.shared_ffn else 0),
+               }
+    per_fwd["m"] = per_fwd["t"] + k["head"] + 4
+    if c.plan.recompute == "full" and kind in ("d", "t", "m"):
+        per_fwd[kind] *= 4 / 3
+    return 3 * per_fwd[kind] * HOST_S_PER_KERNEL
+
+
 def item_cost(c: _Ctx, kind: str) -> ItemCost:
     """Cost of one pipeline item ("E", "d", "t", "m", "L") for one micro-batch on one GPU."""
     s, p = c.shape, c.plan
@@ -479,7 +561,7 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         cost.mem_s += c.n * 2 * s.dim * 3 / c.hbm
     elif kind == "d":
         _attention_item(c, cost)
-        _ffn_item(c, cost, s.dense_ffn, s.dense_ffn_params, c.fb.dense_ffn)
+        _ffn_item(c, cost, s.dense_ffn, s.dense_ffn_params, c.fb.dense_ffn, recompute="mlp" in p.recomputed)
     elif kind in ("t", "m"):
         _attention_item(c, cost)
         _moe_item(c, cost)
@@ -511,6 +593,11 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         cost.act_bytes = c.n * 2 * s.dim
         cost.tp_s *= 1.5
     cost.overhead_s += _ops_overhead(c, kind)
+    # eager launches: the GPU cannot finish an item before the host has launched its kernels (the host runs ahead
+    # only as far as the next device-to-host sync -- each dropless dispatch waits for its token counts)
+    host = host_launch_s(c, kind)
+    busy = cost.compute_s + cost.a2a_s + cost.tp_s + cost.cp_s
+    cost.host_s = max(0.0, host - busy)
     return cost
 
 
@@ -607,8 +694,7 @@ class Prediction:
 
 
 def _stage_items(shape: ModelShape, plan: Plan, item_times: dict[str, float]) -> list[list[str]]:
-    sched = plan.resolved_schedule
-    n_stages = plan.pp if sched == "dualpipe" else plan.pp * plan.vpp
+    n_stages = n_pipeline_stages(plan)
     if plan.pp_layout:
         return layout_items(plan.pp_layout, shape, n_stages)
     items = default_items(shape)
@@ -620,6 +706,8 @@ def _device_stages(plan: Plan, n_stages: int) -> list[list[int]]:
     """Stage indices held by each pipeline rank."""
     if plan.resolved_schedule == "dualpipe":
         return [[d, plan.pp - 1 - d] for d in range(plan.pp)]
+    if plan.resolved_schedule == "zbv":
+        return [[d, 2 * plan.pp - 1 - d] for d in range(plan.pp)]
     return [[s for s in range(n_stages) if s % plan.pp == d] for d in range(plan.pp)]
 
 
@@ -633,6 +721,10 @@ def _in_flight(plan: Plan, device: int) -> list[float]:
         return [float(min(m, pp - device)), float(min(m, device + 1))]
     if sched == "1f1b":
         return [float(min(m, pp - device))]
+    if sched == "zbv":
+        # zero-bubble V: the peak activation memory of 1F1B (PP micro-batches of a whole rank's layers; Qi et al.,
+        # "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, ZB-V), i.e. PP micro-batches of each of its chunks
+        return [float(min(m, pp)), float(min(m, pp))]
     warm = min(m * vpp, (pp - device - 1) * 2 + (vpp - 1) * pp + 1)
     counts = [0.0] * vpp
     for f in range(warm):
@@ -648,7 +740,9 @@ def _unpaired_fraction(plan: Plan) -> float:
         return min(1.0, (pp / 2) / m)
     if sched == "interleaved":
         return min(1.0, ((pp - 1) * 2 + (vpp - 1) * pp + 1) / (m * vpp))
-    return min(1.0, pp / m)
+    if sched == "1f1b" and pp == 1:
+        return min(1.0, 1.0 / m)  # micro-batch i+1's forward pairs with i's backward: the first and last are alone
+    return 1.0
 
 
 def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, counts: CodeCounts | None = None,
@@ -677,6 +771,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, counts: 
     shape = load_shape(model)
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = validate(plan, shape, spec, n_gpus)
+    shape = with_mtp_depth(shape, plan.mtp_depth)
     if plan.routing == "real" and plan.imbalance is None:
         x, base = _solve_real_imbalance(shape, spec, n_gpus, plan, counts)
         pred = _predict_at(shape, spec, n_gpus, plan.replace(imbalance=x), counts=counts,
@@ -743,7 +838,7 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
     sched = plan.resolved_schedule
     overlap = plan.overlapped and plan.ep > 1
     u = _unpaired_fraction(plan) if overlap else 1.0
-    share = eff.comm_sm_share
+    share = c.comm_share
 
     costs = {k: item_cost(c, k) for k in ("E", "d", "t", "m", "L")}
 
@@ -781,7 +876,7 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
     #   exposed, once per model chunk per micro-batch. Forward and backward sends leave on the same NIC at once
     #   (to the next and previous stage), hence the 2x of p2p_t.
     # * DualPipe: "both all-to-all and PP communication can be fully hidden" (DeepSeek-V3 report sec. 3.2.1).
-    p2p_exposed = sched == "1f1b"
+    p2p_exposed = sched in ("1f1b", "zbv")
     p2p_combined = sched == "interleaved" and overlap and plan.pp > 1
 
     def p2p_stage(items: list[str]) -> float:
@@ -872,6 +967,9 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         bubble = (plan.pp - 1) / plan.vpp * t_mean
     elif sched == "dualpipe":
         bubble = (plan.pp / 2 - 1) * (2 / 3) * t_mean
+    elif sched == "zbv":
+        # ZB-1P's (PP-1)(F + B - 2W) with F = W = t/3, B = 2t/3, for the V's half-size chunks: (PP-1) t/6
+        bubble = (plan.pp - 1) * t_mean / 6
     else:
         bubble = (plan.pp - 1) * t_mean
 
@@ -925,7 +1023,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
 
     parts = dev_parts[slow]
     # split the compute of the slowest rank by kernel class (the overlap slowdown spread pro rata)
-    sub = {"dense GEMM": 0.0, "expert GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "recompute/overhead": 0.0}
+    sub = {"dense GEMM": 0.0, "expert GEMM": 0.0, "attention": 0.0, "memory-bound": 0.0, "recompute/overhead": 0.0,
+           "host launch": 0.0}
     for s_idx in dev_stages[slow]:
         for k in stages[s_idx]:
             ck = costs[k]
@@ -934,6 +1033,7 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
             sub["attention"] += ck.attn_s
             sub["memory-bound"] += ck.mem_s
             sub["recompute/overhead"] += ck.recompute_s + ck.overhead_s
+            sub["host launch"] += ck.host_s
     tot = sum(sub.values()) or 1.0
     compute = m * parts["compute"]
     step = StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
@@ -951,10 +1051,14 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         "item_cost_s": {k: {"compute": v.compute_s, "a2a": v.a2a_s, "tp": v.tp_s, "cp": v.cp_s,
                             "gemm": v.gemm_s, "grouped": v.grouped_s, "attention": v.attn_s, "head": v.head_s,
                             "memory_bound": v.mem_s, "recompute": v.recompute_s, "overhead": v.overhead_s,
+                            "host_launch": v.host_s,
                             "activation_gib_per_mb": v.act_bytes / GIB}
                         for k, v in costs.items()},
         "routing": asdict(c.rstats),
         "ep_overlap_unpaired_fraction": u if overlap else None,
+        "overlap_schedule": plan.overlap_schedule,
+        "dispatcher": plan.resolved_dispatcher, "cuda_graphs": plan.resolved_cuda_graphs,
+        "framework": plan.framework, "comm_sm_share": c.comm_share,
         "dp_reduce_scatter_s": rs, "dp_all_gather_s": ag,
         "pp_p2p_per_microbatch_s": p2p_t,
         "pp_p2p_exposed_per_microbatch_s": [

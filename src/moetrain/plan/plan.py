@@ -26,13 +26,47 @@ PRECISIONS = ("bf16", "fp8", "mxfp8", "fp32")
 ATTN_PRECISIONS = ("bf16", "fp8")
 DISPATCH_PRECISIONS = ("bf16", "fp8")
 RECOMPUTE = ("none", "selective", "full")
-#: Modules a selective recompute can cover: "norm" (RMSNorms), "mla_up_proj" (MLA up-projections + RoPE, and the
-#: q/k/v built from them), "moe_act" (expert SwiGLU: its input is kept -- in FP8 under FP8 -- and its output
-#: recomputed, as DeepSeek-V3 and Megatron's ``moe_act`` + ``activation_func_fp8_input_store``).
-RECOMPUTE_MODULES = ("norm", "mla_up_proj", "moe_act")
-DEFAULT_SELECTIVE = ("norm", "mla_up_proj")
+#: Modules a selective recompute can cover, named as Megatron-Core's ``--recompute-modules`` names them
+#: (megatron/core/transformer/transformer_config.py ``recompute_modules``):
+#: "core_attn" (the attention kernel: only its inputs are kept), "mla_up_proj" (MLA up-projections + RoPE, and the
+#: q/k/v built from them), "layernorm" (the RMSNorms), "mlp" (the dense FFN of dense layers), "moe" (the whole MoE
+#: block from its input: router, dispatch, experts, combine -- its all-to-alls run again), "moe_act" (expert
+#: SwiGLU: its input is kept -- in FP8 under FP8 -- and its output recomputed, as DeepSeek-V3 and Megatron's
+#: ``moe_act`` + ``activation_func_fp8_input_store``), "shared_experts" (the shared-expert FFN).
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
+#: Older spellings still accepted (this package's first names): "norm" = "layernorm".
+RECOMPUTE_ALIASES = {"norm": "layernorm"}
+DEFAULT_SELECTIVE = ("layernorm", "mla_up_proj")
 ROUTING = ("balanced", "real")
-SCHEDULES = ("1f1b", "interleaved", "dualpipe")
+#: Pipeline schedules. "interleaved" = Megatron's interleaved 1F1B (VPP > 1; with EP overlap its combined 1F1B),
+#: "dualpipe" = DeepSeek's DualPipe / DualPipeV (two stages per rank, F&B chunk pairs), "zbv" = the zero-bubble V
+#: schedule (torch.distributed.pipelining ``ScheduleZBVZeroBubble``: two stages per rank in a V, split input /
+#: weight backward, no F&B pairing). The trainer's names are accepted too (SCHEDULE_ALIASES).
+SCHEDULES = ("1f1b", "interleaved", "dualpipe", "zbv")
+SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "dualpipev": "dualpipe", "dualpipe-v": "dualpipe"}
+#: Token dispatchers (docs/reference.md section 10): "alltoall" sends one row per (token, expert) pair (Megatron
+#: ``alltoall``, TorchTitan's default); "flex" one per (token, destination rank), and across NVLink domains one
+#: per (token, destination domain) forwarded over NVLink there (DeepEP, HybridEP, Megatron ``flex``);
+#: "allgather" all-gathers every token of the EP group and reduce-scatters the outputs (Megatron ``allgather``).
+DISPATCHERS = ("alltoall", "flex", "allgather")
+#: Frameworks whose recipe defaults and runnable plans the model knows (see FRAMEWORK_DEFAULTS).
+FRAMEWORKS = ("megatron", "deepseek", "torchtitan", "moetrain")
+#: CUDA graph coverage: "full" = whole-iteration graphs (no host launch cost), "partial" = the static parts
+#: graphed (Megatron ``cuda_graph_scope`` attn / moe_router / moe_preprocess; the dropless expert part and the
+#: dispatch stay eager), "none" = eager launches.
+CUDA_GRAPHS = ("full", "partial", "none")
+#: What each framework does when the plan does not say: its default dispatcher and CUDA-graph use.
+#: Megatron-Core: ``moe_token_dispatcher_type`` is set by every published recipe (alltoall or flex), its default
+#: ``cuda_graph_impl`` is "none". DeepSeek-V3: DeepEP-style kernels (report sec. 3.2.2: one copy per node, then
+#: NVLink forwarding) -- CUDA graph use is not published; "none" is assumed. TorchTitan: all-to-all of
+#: (token, expert) rows, eager (its default). moetrain: its dispatcher sends one row per (token, destination
+#: rank) (``moetrain.parallel.dispatch``), eager PyTorch.
+FRAMEWORK_DEFAULTS = {
+    "megatron": {"dispatcher": "alltoall", "cuda_graphs": "none"},
+    "deepseek": {"dispatcher": "flex", "cuda_graphs": "none"},
+    "torchtitan": {"dispatcher": "alltoall", "cuda_graphs": "none"},
+    "moetrain": {"dispatcher": "flex", "cuda_graphs": "none"},
+}
 OPTIMIZERS = ("fp32", "bf16-moments", "bf16")
 
 
@@ -78,7 +112,16 @@ class Plan:
         fsdp: parameters sharded over the data-parallel ranks and all-gathered for every micro-batch's forward and
             backward (FSDP2 / ZeRO-3, as ``moetrain train`` does); gradients reduce-scattered once per step.
         dp_overlap: overlap the data-parallel gradient reduce-scatter / parameter all-gather with compute.
+        dispatcher: token dispatcher, one of DISPATCHERS; None = the framework's default (FRAMEWORK_DEFAULTS).
+        framework: the training framework whose recipe this is (FRAMEWORKS): sets the defaults above and, for
+            ``--search``, which plans can run at all (``moetrain.plan.search.FRAMEWORK_PLANS``).
+        cuda_graphs: CUDA graph coverage, one of CUDA_GRAPHS; None = the framework's default. Decides the host
+            launch cost (``moetrain.plan.model``: a layer cannot run faster than its kernels can be launched).
+        mtp_depth: multi-token-prediction modules trained (None = the model's own; 0 = MTP off).
         name: label for reports.
+
+    The hidden share of the expert all-to-all is not a switch: ``ep_overlap`` is the recipe's request (Megatron
+    ``moe_a2a_overlap``), and what it hides follows from the schedule (:attr:`overlap_schedule`).
     """
 
     tp: int = 1
@@ -105,6 +148,10 @@ class Plan:
     fp8_param: bool = False
     fsdp: bool = False
     dp_overlap: bool = True
+    dispatcher: str | None = None
+    framework: str = "megatron"
+    cuda_graphs: str | None = None
+    mtp_depth: int | None = None
     name: str = ""
 
     # ---- derived ---------------------------------------------------------------------------------------------
@@ -128,7 +175,45 @@ class Plan:
 
     @property
     def resolved_schedule(self) -> str:
-        return self.schedule or ("interleaved" if self.vpp > 1 else "1f1b")
+        """The schedule under this package's names (the trainer's "interleaved-1f1b" / "dualpipev" mapped)."""
+        if self.schedule:
+            return SCHEDULE_ALIASES.get(self.schedule, self.schedule)
+        return "interleaved" if self.vpp > 1 else "1f1b"
+
+    @property
+    def resolved_dispatcher(self) -> str:
+        return self.dispatcher or FRAMEWORK_DEFAULTS.get(self.framework, FRAMEWORK_DEFAULTS["megatron"])["dispatcher"]
+
+    @property
+    def resolved_cuda_graphs(self) -> str:
+        return self.cuda_graphs or FRAMEWORK_DEFAULTS.get(self.framework, FRAMEWORK_DEFAULTS["megatron"])[
+            "cuda_graphs"]
+
+    @property
+    def overlap_schedule(self) -> str | None:
+        """How the expert all-to-all is hidden, from the schedule; None = not at all.
+
+        * "dualpipe": DualPipe's F&B chunk pairs (always, it is what the schedule is for).
+        * "combined-1f1b": ``ep_overlap`` under interleaved 1F1B (Megatron's combined 1F1B merges one chunk's
+          forward with another's backward; Megatron asserts VPP when PP > 1).
+        * "paired-microbatch": ``ep_overlap`` with PP = 1 and at least 2 micro-batches: the forward of micro-batch
+          i+1 runs with the backward of micro-batch i (Megatron's combined 1F1B at PP = 1; what moetrain's trainer
+          overlap builds).
+        * None: plain 1F1B with PP > 1, ZBV, one micro-batch, EP = 1 or no ``ep_overlap``: nothing pairs a
+          forward with a backward, so nothing hides the all-to-all.
+        """
+        if self.ep <= 1:
+            return None
+        sched = self.resolved_schedule
+        if sched == "dualpipe":
+            return "dualpipe"
+        if not self.ep_overlap:
+            return None
+        if sched == "interleaved":
+            return "combined-1f1b"
+        if sched == "1f1b" and self.pp == 1 and self.n_microbatches >= 2:
+            return "paired-microbatch"
+        return None
 
     @property
     def recomputed(self) -> frozenset[str]:
@@ -137,7 +222,8 @@ class Plan:
             return frozenset()
         if self.recompute == "full":
             return frozenset(RECOMPUTE_MODULES)
-        return frozenset(self.recompute_modules if self.recompute_modules is not None else DEFAULT_SELECTIVE)
+        mods = self.recompute_modules if self.recompute_modules is not None else DEFAULT_SELECTIVE
+        return frozenset(RECOMPUTE_ALIASES.get(m, m) for m in mods)
 
     @property
     def load_imbalance(self) -> float:
@@ -152,7 +238,8 @@ class Plan:
 
     @property
     def overlapped(self) -> bool:
-        return self.ep_overlap or self.resolved_schedule == "dualpipe"
+        """True when the schedule hides (part of) the expert all-to-all (:attr:`overlap_schedule`)."""
+        return self.overlap_schedule is not None
 
     @property
     def tokens_per_step(self) -> int:
@@ -180,7 +267,13 @@ class Plan:
         if self.recompute == "selective" and self.recompute_modules is not None:
             s += "(" + "+".join(self.recompute_modules) + ")"
         s += f" {self.resolved_schedule}"
-        s += " ep-overlap" if self.overlapped else ""
+        s += f" ep-overlap({self.overlap_schedule})" if self.overlapped else ""
+        s += f" {self.resolved_dispatcher}"
+        s += f" graphs-{self.resolved_cuda_graphs}"
+        if self.framework != "megatron":
+            s += f" [{self.framework}]"
+        if self.mtp_depth is not None:
+            s += f" mtp{self.mtp_depth}"
         s += f" routing-{self.routing}"
         if self.routing == "real" and self.imbalance is not None:
             s += f"x{self.imbalance:.3g}"
@@ -313,6 +406,17 @@ def balanced_partition(costs: list[float], n_parts: int) -> list[tuple[int, int]
 
 # ---- validation ------------------------------------------------------------------------------------------------
 
+def n_pipeline_stages(plan: Plan) -> int:
+    """Model chunks of the whole pipeline: PP x VPP (1F1B, interleaved), PP (DualPipe: each rank holds stage d of
+    one direction and PP-1-d of the other), 2 PP (ZBV: rank d holds chunks d and 2PP-1-d of a V)."""
+    sched = plan.resolved_schedule
+    if sched == "dualpipe":
+        return plan.pp
+    if sched == "zbv":
+        return 2 * plan.pp
+    return plan.pp * plan.vpp
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -345,12 +449,27 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
         if getattr(plan, f) not in allowed:
             raise PlanError(f"{f}={getattr(plan, f)!r}; allowed: {list(allowed)}")
     if plan.recompute_modules is not None:
-        bad = sorted(set(plan.recompute_modules) - set(RECOMPUTE_MODULES))
+        bad = sorted(set(plan.recompute_modules) - set(RECOMPUTE_MODULES) - set(RECOMPUTE_ALIASES))
         if bad or isinstance(plan.recompute_modules, str):
             raise PlanError(f"recompute_modules={plan.recompute_modules!r}; allowed: a tuple of "
                             f"{list(RECOMPUTE_MODULES)}")
-    if plan.schedule is not None and plan.schedule not in SCHEDULES:
-        raise PlanError(f"schedule={plan.schedule!r}; allowed: {list(SCHEDULES)}")
+    if plan.schedule is not None and plan.schedule not in SCHEDULES and plan.schedule not in SCHEDULE_ALIASES:
+        raise PlanError(f"schedule={plan.schedule!r}; allowed: {list(SCHEDULES) + list(SCHEDULE_ALIASES)}")
+    if plan.dispatcher is not None and plan.dispatcher not in DISPATCHERS:
+        raise PlanError(f"dispatcher={plan.dispatcher!r}; allowed: {list(DISPATCHERS)}")
+    if plan.framework not in FRAMEWORKS:
+        raise PlanError(f"framework={plan.framework!r}; allowed: {list(FRAMEWORKS)}")
+    if plan.cuda_graphs is not None and plan.cuda_graphs not in CUDA_GRAPHS:
+        raise PlanError(f"cuda_graphs={plan.cuda_graphs!r}; allowed: {list(CUDA_GRAPHS)}")
+    if plan.mtp_depth is not None:
+        if not isinstance(plan.mtp_depth, int) or isinstance(plan.mtp_depth, bool) or plan.mtp_depth < 0:
+            raise PlanError(f"mtp_depth={plan.mtp_depth!r} must be an integer >= 0")
+        if plan.mtp_depth and shape.attention != "mla":
+            raise PlanError("mtp_depth > 0 needs a DeepSeek-V3-style (MLA) model; this model has no MTP modules")
+        if shape.attention == "mla":
+            from moetrain.plan.shape import with_mtp_depth
+
+            shape = with_mtp_depth(shape, plan.mtp_depth)
 
     model_par = plan.tp * plan.pp * plan.cp
     if plan.dp is None:
@@ -413,9 +532,16 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
             raise PlanError(f"DualPipe needs an even PP >= 2 (got {plan.pp})")
         if m % 2 or m < 2 * plan.pp:
             raise PlanError(f"DualPipe needs an even number of micro-batches >= 2*PP = {2 * plan.pp} (got {m})")
+    elif sched == "zbv":
+        if plan.vpp not in (1, 2):
+            raise PlanError("ZBV holds two stages per rank by itself (a V); set VPP=1 (or 2, the trainer's count)")
+        if plan.pp < 2:
+            raise PlanError(f"ZBV needs PP >= 2 (got {plan.pp})")
+        if m < 2 * plan.pp:
+            raise PlanError(f"ZBV needs >= 2*PP = {2 * plan.pp} micro-batches (got {m})")
     elif plan.vpp != 1:
         raise PlanError(f"VPP={plan.vpp} needs the interleaved schedule (schedule={plan.schedule!r})")
-    n_stages = plan.pp * (plan.vpp if sched != "dualpipe" else 1)
+    n_stages = n_pipeline_stages(plan.replace(schedule=sched))
     n_items = len(default_items(shape))
     if plan.pp_layout is not None:
         layout_items(plan.pp_layout, shape, n_stages)
@@ -425,4 +551,4 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
     if plan.pp > 1 and m < plan.pp:
         raise PlanError(f"{m} micro-batches per step cannot fill a pipeline of PP={plan.pp}; raise global_batch "
                         "or lower DP/PP")
-    return plan.replace(schedule=sched)
+    return plan.replace(schedule=sched, vpp=1 if sched == "zbv" else plan.vpp)

@@ -197,7 +197,7 @@ def _plt():
 
 
 SUB_COLORS = {"dense GEMM": "#4C72B0", "expert GEMM": "#6C8EBF", "attention": "#8FAADC", "memory-bound": "#B4C7E7",
-              "recompute/overhead": "#D9E2F3"}
+              "recompute/overhead": "#D9E2F3", "host launch": "#937860"}
 
 
 def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels: Sequence[str] | None = None,

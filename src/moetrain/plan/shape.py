@@ -324,3 +324,19 @@ def load_shape(model: str | os.PathLike | AnyConfig | ModelShape) -> ModelShape:
             raise ShapeError(f"{p} does not hold a JSON object")
         return shape_from_hf(d, name=p.parent.name if p.name == "config.json" else p.stem)
     raise ShapeError(f"unknown model {s!r}: not a preset ({sorted(PRESETS)}) and no config.json at that path")
+
+
+def with_mtp_depth(shape: ModelShape, depth: int | None) -> ModelShape:
+    """The model with ``depth`` MTP modules (None = as it is; 0 = MTP off; ``--mtp-depth``). FLOPs and parameters
+    follow from :mod:`moetrain.accounting` for the new depth.
+
+    Raises:
+        ShapeError: MTP modules asked of a model without the DeepSeek-V3 (MLA) structure.
+    """
+    if depth is None or depth == shape.mtp_depth:
+        return shape
+    if not isinstance(shape.config, ModelConfig):
+        raise ShapeError(f"{shape.name} has no MTP modules; --mtp-depth applies to DeepSeek-V3-style models")
+    import dataclasses
+
+    return shape_from_config(dataclasses.replace(shape.config, mtp_depth=depth), name=shape.name)
