@@ -15,8 +15,9 @@ from typing import Any
 
 from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file, with_overrides
 from moetrain.plan.model import predict
-from moetrain.plan.plan import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, OPTIMIZERS, PRECISIONS, RECOMPUTE,
-                                RECOMPUTE_MODULES, ROUTING, SCHEDULES, Plan, PlanError)
+from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISIONS, DISPATCHERS, FRAMEWORKS,
+                                OPTIMIZERS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING, SCHEDULE_ALIASES,
+                                SCHEDULES, Plan, PlanError)
 from moetrain.plan.records import RECORDS, Record, get_record
 from moetrain.plan.shape import ShapeError, load_shape
 
@@ -26,7 +27,9 @@ _PLAN_FLAGS = (("tp", "tp", int), ("pp", "pp", int), ("vpp", "vpp", int), ("ep",
                ("precision", "precision", str), ("attn_precision", "attn_precision", str),
                ("dispatch_precision", "dispatch_precision", str), ("recompute", "recompute", str),
                ("routing", "routing", str), ("imbalance", "imbalance", float), ("node_limit", "node_limit_m", int),
-               ("schedule", "schedule", str), ("pp_layout", "pp_layout", str), ("optimizer", "optimizer", str))
+               ("schedule", "schedule", str), ("pp_layout", "pp_layout", str), ("optimizer", "optimizer", str),
+               ("dispatcher", "dispatcher", str), ("framework", "framework", str),
+               ("cuda_graphs", "cuda_graphs", str), ("mtp_depth", "mtp_depth", int))
 
 
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -58,14 +61,23 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-precision", choices=ATTN_PRECISIONS)
     g.add_argument("--dispatch-precision", choices=DISPATCH_PRECISIONS)
     g.add_argument("--recompute", choices=RECOMPUTE)
-    g.add_argument("--recompute-modules", help=f"comma list of {list(RECOMPUTE_MODULES)} (with --recompute "
-                   "selective)")
+    g.add_argument("--recompute-modules", help=f"comma list of Megatron's names {list(RECOMPUTE_MODULES)} (with "
+                   "--recompute selective)")
     g.add_argument("--ep-overlap", dest="ep_overlap", action="store_true", default=None)
     g.add_argument("--no-ep-overlap", dest="ep_overlap", action="store_false")
     g.add_argument("--routing", choices=ROUTING)
     g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
     g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
-    g.add_argument("--schedule", choices=SCHEDULES)
+    g.add_argument("--schedule", choices=list(SCHEDULES) + list(SCHEDULE_ALIASES),
+                   help="pipeline schedule; the trainer's names interleaved-1f1b and dualpipev are accepted")
+    g.add_argument("--dispatcher", choices=DISPATCHERS, help="token dispatcher: alltoall (a row per token-expert "
+                   "pair), flex (DeepEP/HybridEP: a row per destination rank / domain), allgather; default: the "
+                   "framework's (the record's recipe with --record)")
+    g.add_argument("--framework", choices=FRAMEWORKS, help="the recipe's framework: its dispatcher and CUDA-graph "
+                   "defaults, and the plans --search may propose (default megatron; --record: the record's)")
+    g.add_argument("--cuda-graphs", choices=CUDA_GRAPHS, help="CUDA graph coverage (host launch cost): full "
+                   "(whole iteration), partial (attention, router), none (eager); default: the framework's")
+    g.add_argument("--mtp-depth", type=int, help="MTP modules trained (0 = MTP off; default: the model's)")
     g.add_argument("--pp-layout", help="Megatron pipeline layout, e.g. 'Et*4|(t*4|)*14tmL'")
     g.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer state precision")
     g.add_argument("--fp8-param", dest="fp8_param", action="store_true", default=None,
@@ -75,7 +87,12 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 / ZeRO-3: parameters gathered for every micro-batch (as `moetrain train` does)")
     g = p.add_argument_group("what to do")
     g.add_argument("--records", action="store_true", help="predict every published row of docs/reference.md section 4 "
-                   "and compare")
+                   "and compare (takes no plan flags: each row is predicted with its own plan)")
+    g.add_argument("--validate", action="store_true", help="predict the validation set (published runs the model "
+                   "was not calibrated on: moetrain.plan.validation) and print its mean absolute error")
+    g.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two runs side by side, mechanism by mechanism: "
+                   "record keys (gb300, gb200, h100, h800) or validation point keys")
+    g.add_argument("--any-framework", action="store_true", help="--search: also plans the framework does not run")
     g.add_argument("--search", action="store_true", help="rank valid plans by predicted TFLOP/s per GPU")
     g.add_argument("--top", type=int, default=10, help="plans shown by --search")
     g.add_argument("--scale", help="GPU counts, e.g. 64,128,256 or 64-8192 (powers of two)")
@@ -150,7 +167,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
         changes["dp"] = None
     if changes:
         plan = plan.replace(**changes)
-    return shape, gpu, n, plan, (rec if rec and not changes and not args.gpus and not args.gpu else None)
+    return shape, gpu, n, plan, rec
 
 
 def _trainer_preset() -> str:
@@ -184,8 +201,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from moetrain.plan import report
 
     try:
-        if args.records:
-            return _cmd_records(args)
+        if args.records or args.validate:
+            _refuse_flags(args, "--records" if args.records else "--validate")
+            return _cmd_records(args) if args.records else _cmd_validate(args)
+        if args.compare:
+            _refuse_flags(args, "--compare")
+            return _cmd_compare(args)
         shape, gpu, n, plan, rec = _resolve(args)
         if (args.scale or args.search) and gpu.host_procs is not None:
             raise ValueError("--search and --scale plan GPU clusters; on --gpu local predict one run (the trainer "
@@ -193,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.scale:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
-            return _cmd_search(args, shape, gpu, n, plan)
+            return _cmd_search(args, shape, gpu, n, plan, rec)
         if gpu.generation == "cpu":
             from moetrain.plan.local import predict_measured
 
@@ -205,13 +226,96 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 2
     if args.json or args.json_out:
         _emit_json(pred, args)
+    overrides = _overrides(args) if rec else []
+    if args.json or args.json_out:
+        pass
     if not args.json:
-        report.print_prediction(pred, rec)
+        report.print_prediction(pred, rec, overrides=overrides)
     if args.png:
         report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None)
         if not args.json:
             print(f"chart: {args.png}")
     return 0 if pred.fits else 3
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The flags given on top of ``--record`` (what makes this plan differ from the published one)."""
+    out = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, _, _ in _PLAN_FLAGS
+           if getattr(args, flag, None) is not None]
+    for f in ("recompute_modules", "ep_overlap", "fp8_param", "dp_overlap", "fsdp", "gpus", "gpu", "model",
+              "nic_gbit", "nvlink_domain"):
+        v = getattr(args, f, None)
+        if v is not None and v != []:
+            out.append(f"--{f.replace('_', '-')} {v}")
+    return out
+
+
+def _refuse_flags(args: argparse.Namespace, mode: str) -> None:
+    """``--records`` / ``--validate`` / ``--compare`` predict published rows with their own plans: a plan or cluster
+    flag would be silently ignored, so it is refused."""
+    given = [o.split()[0] for o in _overrides(args)]
+    if args.record:
+        given.append("--record")
+    for f in ("search", "scale"):
+        if getattr(args, f, None):
+            given.append(f"--{f}")
+    if given:
+        raise ValueError(f"{mode} predicts each published row with its own plan and would ignore "
+                         f"{', '.join(sorted(set(given)))}; drop them, or use --record KEY with overrides")
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from moetrain.plan import report, validation
+
+    rows = validation.run()
+    summ = validation.summary(rows)
+    if args.json or args.json_out:
+        _emit_json({"summary": summ, "points": [
+            {"key": r.point.key, "source": r.point.source, "model": r.point.model, "gpu": r.point.gpu,
+             "n_gpus": r.point.n_gpus, "plan": r.point.plan.short(), "published_tflops_per_gpu": r.point.tflops_per_gpu,
+             "predicted_tflops_per_gpu": r.predicted, "error": r.error, "note": r.point.note,
+             "message": r.message} for r in rows]}, args)
+    if not args.json:
+        report._console().print(report.validation_table(rows, summ))
+        print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
+              f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
+              f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")
+    return 0
+
+
+def _run_by_key(key: str) -> tuple[Any, str]:
+    """A record or validation point predicted with its own plan."""
+    from moetrain.plan import validation
+
+    k = key.lower()
+    if k in RECORDS:
+        r = RECORDS[k]
+        return predict(r.model, r.gpu, r.n_gpus, r.plan), f"{k} ({r.n_gpus} {r.gpu.upper()})"
+    for pt in validation.POINTS:
+        if pt.key == k:
+            return (predict(validation.model_shape(pt.model), pt.gpu, pt.n_gpus, pt.plan),
+                    f"{k} ({pt.n_gpus} {pt.gpu.upper()})")
+    raise KeyError(f"unknown run {key!r}; records: {sorted(RECORDS)}; validation points: "
+                   f"{[p.key for p in validation.POINTS]}")
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from moetrain.plan import report
+
+    (a, la), (b, lb) = _run_by_key(args.compare[0]), _run_by_key(args.compare[1])
+    for p, lab in ((a, la), (b, lb)):
+        if not p.fits:
+            raise ValueError(f"{lab} does not fit: {p.message}")
+    if args.json or args.json_out:
+        _emit_json({"a": {"label": la, "breakdown_s": report.breakdown_rows(a), "prediction": a.to_dict()},
+                    "b": {"label": lb, "breakdown_s": report.breakdown_rows(b), "prediction": b.to_dict()}}, args)
+    if not args.json:
+        c = report._console()
+        c.print(f"A: {la}: {a.plan.short()}")
+        c.print(f"B: {lb}: {b.plan.short()}")
+        c.print(report.compare_table(a, b, "A", "B"))
+        c.print(report.compare_summary(a, b, "A", "B"))
+    return 0
 
 
 def _cmd_records(args: argparse.Namespace) -> int:
@@ -223,7 +327,9 @@ def _cmd_records(args: argparse.Namespace) -> int:
                                  "plan": r.plan.short(), "published_tflops_per_gpu": r.tflops_per_gpu,
                                  "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
                                  "error": (p.tflops_per_gpu / r.tflops_per_gpu - 1) if p.fits else None,
-                                 "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
+                                 "tolerance": r.tolerance, "band": list(r.band),
+                                 "in_band": bool(p.fits and r.in_band(p.tflops_per_gpu)),
+                                 "step_s": p.step.to_dict() if p.step else None}
                                 for r, p in rows]}, args)
     if not args.json:
         report._console().print(report.records_table(rows))
@@ -234,11 +340,11 @@ def _cmd_records(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan) -> int:
+def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan, rec: Record | None = None) -> int:
     from moetrain.plan import report
     from moetrain.plan.search import search
 
-    res = search(shape, gpu, n, plan)
+    res = search(shape, gpu, n, plan, framework=None if args.any_framework else "plan")
     if args.json or args.json_out:
         _emit_json(res, args)
     if not args.json:

@@ -30,7 +30,7 @@ def _console(file: Any = None):
     return Console(file=file, width=120, highlight=False)
 
 
-def prediction_table(pred: Prediction, record: Record | None = None):
+def prediction_table(pred: Prediction, record: Record | None = None, overrides: Sequence[str] = ()):
     """A rich Table with the step breakdown, throughput and memory of one prediction."""
     from rich.table import Table
 
@@ -57,10 +57,16 @@ def prediction_table(pred: Prediction, record: Record | None = None):
         t.add_row("MFU", f"{pred.mfu:.1%}", f"of the {pred.plan.precision} peak ({pred.mfu_bf16:.1%} of BF16)")
         if record is not None:
             err = pred.tflops_per_gpu / record.tflops_per_gpu - 1
-            ok = abs(err) <= record.tolerance
-            t.add_row("published", f"{record.tflops_per_gpu:,.0f}",
-                      f"{record.source}: error {err:+.1%} ({'within' if ok else 'OUTSIDE'} "
-                      f"+-{record.tolerance:.0%})")
+            lo, hi = record.band
+            if overrides:
+                t.add_row("published", f"{record.tflops_per_gpu:,.0f}",
+                          f"{record.source}, the record's own plan, for comparison: this plan differs by "
+                          f"{', '.join(overrides)} ({err:+.1%} against it)")
+            else:
+                ok = record.in_band(pred.tflops_per_gpu)
+                t.add_row("published", f"{record.tflops_per_gpu:,.0f}",
+                          f"{record.source}: error {err:+.1%} ({'within' if ok else 'OUTSIDE'} the band "
+                          f"[{lo:,.0f}, {hi:,.0f}])")
     m = pred.memory
     t.add_row("memory per GPU", f"{m.total:.1f} GiB",
               f"of {pred.memory_limit_gib:.0f}: weights {m.weights:.1f} + FP8 copies {m.fp8_weights:.1f} + grads "
@@ -71,9 +77,10 @@ def prediction_table(pred: Prediction, record: Record | None = None):
     return t
 
 
-def print_prediction(pred: Prediction, record: Record | None = None, file: Any = None) -> None:
+def print_prediction(pred: Prediction, record: Record | None = None, file: Any = None,
+                     overrides: Sequence[str] = ()) -> None:
     c = _console(file)
-    c.print(prediction_table(pred, record))
+    c.print(prediction_table(pred, record, overrides))
     if pred.fits:
         c.print("stages: " + " | ".join(pred.details.get("stages", [])))
 
@@ -87,16 +94,92 @@ def records_table(rows: Sequence[tuple[Record, Prediction]]):
                       ("predicted", "right"), ("error", "right"), ("tolerance", "right"), ("memory GiB", "right")):
         t.add_column(col, justify=just)
     for r, p in rows:
+        lo, hi = r.band
+        band = f"[{lo:,.0f}, {hi:,.0f}]"
         if p.fits:
             err = p.tflops_per_gpu / r.tflops_per_gpu - 1
-            ok = abs(err) <= r.tolerance
+            ok = r.in_band(p.tflops_per_gpu)
             t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", f"TP{r.plan.tp}/PP{r.plan.pp}/VPP{r.plan.vpp}/EP{r.plan.ep}",
                       f"{r.tflops_per_gpu:,.0f}", f"{p.tflops_per_gpu:,.0f}",
-                      f"[{'green' if ok else 'red'}]{err:+.1%}[/]", f"+-{r.tolerance:.0%}",
+                      f"[{'green' if ok else 'red'}]{err:+.1%}[/]", band,
                       f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
         else:
             t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", "", f"{r.tflops_per_gpu:,.0f}", "does not fit", "",
-                      f"+-{r.tolerance:.0%}", f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+                      band, f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+    return t
+
+
+def breakdown_rows(pred: Prediction) -> dict[str, float]:
+    """Seconds per step by mechanism: the compute classes, exposed all-to-all, other communication, bubble,
+    optimizer (the parts sum to the step)."""
+    st = pred.step
+    if st is None:
+        return {}
+    out = {f"compute: {k}": v for k, v in st.compute_parts.items()}
+    out.update({"exposed all-to-all": st.exposed_a2a, "other communication": st.other_comm,
+                "pipeline bubble": st.bubble, "optimizer step": st.optimizer})
+    return out
+
+
+def compare_table(a: Prediction, b: Prediction, label_a: str, label_b: str):
+    """Two predictions side by side, per mechanism: share of the step and seconds per 1e6 tokens on one GPU, so the
+    mechanism that makes the difference shows as the largest entry of the last column."""
+    from rich.table import Table
+
+    t = Table(title=f"{label_a} against {label_b} (seconds per million tokens per GPU)", title_justify="left")
+    for col, just in (("mechanism", "left"), (label_a, "right"), ("share", "right"), (label_b, "right"),
+                      ("share", "right"), (f"{label_a} - {label_b}", "right")):
+        t.add_column(col, justify=just)
+    ra, rb = breakdown_rows(a), breakdown_rows(b)
+
+    def per_mtok(p: Prediction, v: float) -> float:
+        return v / (p.plan.tokens_per_step / p.n_gpus) * 1e6
+
+    for k in ra:
+        va, vb = per_mtok(a, ra[k]), per_mtok(b, rb.get(k, 0.0))
+        t.add_row(k, f"{va:.3f}", f"{ra[k] / a.step.step:.1%}", f"{vb:.3f}", f"{rb.get(k, 0.0) / b.step.step:.1%}",
+                  f"{va - vb:+.3f}")
+    t.add_row("step", f"{per_mtok(a, a.step.step):.3f}", "", f"{per_mtok(b, b.step.step):.3f}", "",
+              f"{per_mtok(a, a.step.step) - per_mtok(b, b.step.step):+.3f}")
+    t.add_row("TFLOP/s per GPU", f"{a.tflops_per_gpu:,.0f}", "", f"{b.tflops_per_gpu:,.0f}", "", "")
+    return t
+
+
+def compare_summary(a: Prediction, b: Prediction, label_a: str, label_b: str) -> str:
+    """One line naming the mechanisms that make most of the difference in time per token."""
+    ra, rb = breakdown_rows(a), breakdown_rows(b)
+    ta, tb = a.plan.tokens_per_step / a.n_gpus, b.plan.tokens_per_step / b.n_gpus
+    diffs = sorted(((ra[k] / ta - rb.get(k, 0.0) / tb, k) for k in ra), key=lambda x: -abs(x[0]))
+    total = a.step.step / ta - b.step.step / tb
+    parts = [f"{k} {d / abs(total):+.0%}" if total else k for d, k in diffs[:3]]
+    faster = label_b if total > 0 else label_a
+    return (f"{faster} is faster per token by {abs(total) / max(a.step.step / ta, b.step.step / tb):.1%}; "
+            f"largest differences (share of the gap): " + ", ".join(parts))
+
+
+def validation_table(rows: Sequence[Any], summary: dict[str, Any]):
+    """Predicted against published for the validation set (moetrain.plan.validation)."""
+    from rich.table import Table
+
+    t = Table(title=(f"Validation: {summary['predicted']} of {summary['points']} published points predicted, "
+                     f"MAE {summary['mae']:.1%} (goal <= {summary['mae_goal']:.0%}), largest "
+                     f"{summary['max_abs_error']:.1%} (goal <= {summary['max_goal']:.0%})")
+              if summary["mae"] is not None else "Validation: nothing predicted", title_justify="left")
+    for col, just in (("point", "left"), ("source", "left"), ("GPUs", "right"), ("plan", "left"),
+                      ("published", "right"), ("predicted", "right"), ("error", "right")):
+        t.add_column(col, justify=just)
+    for r in rows:
+        pt = r.point
+        pl = pt.plan
+        desc = (f"TP{pl.tp}/PP{pl.pp}/VPP{pl.vpp}/EP{pl.ep} mbs{pl.micro_batch} gbs{pl.global_batch} {pl.precision} "
+                f"{pl.resolved_dispatcher}{' ovl' if pl.ep_overlap else ''} graphs-{pl.resolved_cuda_graphs}")
+        if r.error is None:
+            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, f"{pt.tflops_per_gpu:,.0f}",
+                      "does not fit" if r.prediction is not None else "invalid", "")
+        else:
+            col = "green" if abs(r.error) <= 0.12 else "yellow" if abs(r.error) <= 0.25 else "red"
+            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, f"{pt.tflops_per_gpu:,.0f}",
+                      f"{r.predicted:,.0f}", f"[{col}]{r.error:+.1%}[/]")
     return t
 
 
@@ -133,6 +216,12 @@ def print_search(res: SearchResult, file: Any = None, n: int = 10) -> None:
             + (f" ({g - 1:+.1%} vs baseline)" if g else ""))
     ch = res.changes()
     c.print("changed:  " + ("; ".join(ch) if ch else "nothing (the baseline is the best plan found)"))
+    if res.framework:
+        c.print(f"searched: plans {res.framework} runs ({res.restriction})")
+    b = res.baseline
+    if b is not None and b.fits and b.step is not None and res.best.step is not None and ch:
+        c.print(compare_table(res.best, b, "best", "baseline"))
+        c.print("why:      " + compare_summary(res.best, b, "best", "baseline"))
 
 
 def scale_table(points: Sequence[ScalePoint], tokens: float):

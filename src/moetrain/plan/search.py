@@ -22,17 +22,34 @@ from moetrain.plan.shape import ModelShape, load_shape
 #: activation tally of the model is an estimate.
 MEMORY_HEADROOM = 0.05
 
+#: What each framework runs, for ``--search`` (by default a search keeps to the plan's framework):
+#: tensor / context parallel sizes, GEMM precisions, pipeline schedules, whether its EP overlap exists, FSDP.
+#: moetrain: what its trainer runs -- data x expert parallel with FSDP2, pipeline parallel with the 1f1b /
+#: interleaved-1f1b / dualpipev / zbv schedules, no TP, no CP, no FP8 GEMMs yet (BF16 on GPUs). Megatron-Core:
+#: TP, CP, FP8, 1F1B and interleaved 1F1B (combined 1F1B with EP overlap), no DualPipe. DeepSeek-V3's framework:
+#: DualPipe, no TP (report sec. 3.2). TorchTitan: TP, CP, FP8, 1F1B / interleaved / ZBV, no EP overlap.
+FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {
+    "moetrain": {"tp": (1,), "cp": (1,), "precisions": ("bf16", "fp32"),
+                 "schedules": ("1f1b", "interleaved", "dualpipe", "zbv"), "ep_overlap": True, "fsdp": True},
+    "megatron": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved"),
+                 "ep_overlap": True, "fsdp": None},
+    "deepseek": {"tp": (1,), "cp": (1,), "precisions": None, "schedules": ("dualpipe", "1f1b"),
+                 "ep_overlap": True, "fsdp": None},
+    "torchtitan": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved", "zbv"),
+                   "ep_overlap": False, "fsdp": True},
+}
+
 #: Fields compared when reporting what a searched plan changed.
 DIFF_FIELDS = ("tp", "pp", "vpp", "ep", "cp", "dp", "micro_batch", "recompute", "recompute_modules", "ep_overlap",
-               "schedule", "pp_layout")
+               "schedule", "pp_layout", "precision", "fsdp", "framework")
 
 
 def recompute_ladder(shape: ModelShape) -> list[tuple[str, tuple[str, ...] | None]]:
     """Recompute settings from cheapest to most memory-saving."""
     if shape.attention == "mla":
-        return [("none", None), ("selective", ("mla_up_proj",)), ("selective", ("norm", "mla_up_proj", "moe_act")),
+        return [("none", None), ("selective", ("mla_up_proj",)), ("selective", ("layernorm", "mla_up_proj", "moe_act")),
                 ("full", None)]
-    return [("none", None), ("selective", ("norm", "moe_act")), ("full", None)]
+    return [("none", None), ("selective", ("layernorm", "moe_act")), ("full", None)]
 
 
 def plan_changes(base: Plan, new: Plan) -> list[str]:
@@ -72,6 +89,8 @@ class SearchResult:
     invalid: int = 0
     not_fitting: int = 0
     baseline_error: str = ""
+    framework: str = ""
+    restriction: str = ""
 
     @property
     def best(self) -> Prediction | None:
@@ -98,6 +117,7 @@ class SearchResult:
                      "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib": p.memory.total}
                     for p in self.ranked[:20]],
             "evaluated": self.evaluated, "invalid": self.invalid, "not_fitting": self.not_fitting,
+            "framework": self.framework, "restriction": self.restriction,
         }
 
 
@@ -110,7 +130,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
            ep: Sequence[int] | None = None, cp: Sequence[int] | None = None,
            micro_batch: Sequence[int] | None = None, allow_overlap: bool = True,
            schedules: Sequence[str] | None = None, top: int | None = None,
-           headroom: float = MEMORY_HEADROOM) -> SearchResult:
+           headroom: float = MEMORY_HEADROOM, framework: str | None = "plan") -> SearchResult:
     """Enumerate plans around ``base`` for ``n_gpus`` GPUs and rank the ones that fit by TFLOP/s per GPU.
 
     Args:
@@ -124,6 +144,8 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
         top: keep only this many ranked plans.
         headroom: rank only plans that leave this fraction of the GPU memory free (allocator fragmentation and
             the model's own uncertainty); 0 accepts anything that fits.
+        framework: keep to the plans this framework runs (FRAMEWORK_PLANS): "plan" = the base plan's framework
+            (the default), None = any plan the model can cost.
 
     Raises:
         HardwareError / ShapeError: unknown GPU or model.
@@ -136,11 +158,35 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
     except PlanError as e:
         base_err = str(e)
     n_items = len(default_items(shape))
+    fw = base.framework if framework == "plan" else framework
+    rules = FRAMEWORK_PLANS.get(fw) if fw else None
     tps = list(tp) if tp else [t for t in (1, 2, 4, 8) if t <= spec.nvlink_domain and shape.n_heads % t == 0]
     cps = list(cp) if cp else [base.cp]
     mbs = list(micro_batch) if micro_batch else sorted({1, 2, base.micro_batch})
     scheds = list(schedules) if schedules else (["1f1b", "interleaved"]
                                                   + (["dualpipe"] if base.resolved_schedule == "dualpipe" else []))
+    restriction = "any plan"
+    if rules:
+        if rules["tp"]:
+            tps = [t for t in tps if t in rules["tp"]] or list(rules["tp"])
+        if rules["cp"]:
+            cps = [c for c in cps if c in rules["cp"]] or list(rules["cp"])
+        if not schedules:
+            scheds = list(rules["schedules"])
+        else:
+            scheds = [x for x in scheds if x in rules["schedules"]]
+        if not rules["ep_overlap"]:
+            allow_overlap = False
+        if rules["precisions"] and base.precision not in rules["precisions"]:
+            base = base.replace(precision="bf16", attn_precision="bf16", dispatch_precision="bf16",
+                                fp8_param=False)
+        if rules["fsdp"] is not None:
+            base = base.replace(fsdp=rules["fsdp"])
+        base = base.replace(framework=fw, dispatcher=None if base.framework != fw else base.dispatcher)
+        restriction = (f"TP {'/'.join(map(str, tps))}, CP {'/'.join(map(str, cps))}, schedules "
+                       f"{', '.join(scheds)}, precision {base.precision}, EP overlap "
+                       f"{'where the schedule pairs micro-batches' if allow_overlap else 'none'}"
+                       + (", FSDP" if base.fsdp else ""))
     ladder = recompute_ladder(shape)
     if base.recompute == "selective" and base.recompute_modules is not None:
         rung = ("selective", tuple(base.recompute_modules))
@@ -165,6 +211,8 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                         vpps = [v for v in (vpp or (2, 4, 8)) if v > 1 and p > 1 and p * v <= n_items]
                     elif sched == "dualpipe":
                         vpps = [1] if p >= 2 and p % 2 == 0 else []
+                    elif sched == "zbv":
+                        vpps = [1] if p >= 2 and 2 * p <= n_items else []
                     else:
                         vpps = [1]
                     for v in vpps:
@@ -174,7 +222,8 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                     cand = base.replace(tp=t, pp=p, vpp=v, ep=e, cp=c, dp=None, micro_batch=mb,
                                                         recompute=rc, recompute_modules=mods, schedule=sched,
                                                         ep_overlap=allow_overlap and e > 1 or
-                                                        (sched == "dualpipe"), pp_layout=None)
+                                                        (sched == "dualpipe"), pp_layout=None,
+                                                        dispatcher=base.dispatcher)
                                     try:
                                         pr = predict(shape, spec, n_gpus, cand)
                                     except PlanError:
@@ -189,7 +238,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
     if top:
         ranked = ranked[:top]
     return SearchResult(ranked=ranked, baseline=baseline, evaluated=evaluated, invalid=invalid,
-                        not_fitting=not_fit, baseline_error=base_err)
+                        not_fitting=not_fit, baseline_error=base_err, framework=fw or "", restriction=restriction)
 
 
 # ---- scaling -------------------------------------------------------------------------------------------------
