@@ -17,7 +17,7 @@ Two scale formats:
   normal).
 
 A tile whose elements are all zero gets scale 1 (``"fp32"``) or 2**-127 (``"e8m0"``, the smallest E8M0 value) and
-zero data, never 0/0. NaN inputs stay NaN. Tile shapes used by the recipes: (1, 128) activations and gradients,
+zero data, never 0/0. A tile holding NaN or inf dequantises to NaN. Tile shapes used by the recipes: (1, 128) activations and gradients,
 (128, 128) weights, (128, 1) token-dim tiles for the weight-gradient GEMM, (1, 32) / (32, 1) MXFP8 blocks.
 
 Shape legend: M rows, N columns of the last two dims; Mt = ceil(M / tile_rows), Nt = ceil(N / tile_cols).
@@ -61,7 +61,8 @@ class Quantized:
 
     def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The represented values, (..., M, N) in ``dtype`` (computed in fp32)."""
-        return (self.data.float() * expand_tiles(self.scale, self.tile, self.data.shape[-2:])).to(dtype)
+        dt, _ = _tiled(self.data.float(), self.tile)
+        return _untiled(dt * self.scale.unsqueeze(-1).unsqueeze(-3), self.data.shape).to(dtype)
 
     def scale_e8m0_bits(self) -> torch.Tensor:
         """The E8M0 encoding (uint8, biased exponent) of ``scale``; only for ``fmt == "e8m0"``.
@@ -83,18 +84,30 @@ def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
 
 
-def _pad_to_tiles(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+def _tiled(x: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``x`` (..., M, N) as a (..., Mt, tr, Nt, tc) view (zero-padded first where a dim is longer than its tile
+    and not a multiple of it), and the effective tile: a dim no longer than its tile is one tile of its own size,
+    which needs no padding."""
     M, N = x.shape[-2:]
-    pr, pc = (-M) % tile[0], (-N) % tile[1]
-    return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
+    tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
+    pr, pc = (-M) % tr, (-N) % tc
+    if pr or pc:
+        x = F.pad(x, (0, pc, 0, pr))
+    *lead, Mp, Np = x.shape
+    return x.reshape(*lead, Mp // tr, tr, Np // tc, tc), (tr, tc)
+
+
+def _untiled(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`_tiled`: (..., Mt, tr, Nt, tc) -> (..., M, N), dropping the padding."""
+    *lead, Mt, tr, Nt, tc = t.shape
+    out = t.reshape(*lead, Mt * tr, Nt * tc)
+    M, N = shape[-2:]
+    return out if (Mt * tr, Nt * tc) == (M, N) else out[..., :M, :N]
 
 
 def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """Largest magnitude of each tile of the last two dims: (..., M, N) -> fp32 (..., Mt, Nt). NaN propagates."""
-    tr, tc = tile
-    xp = _pad_to_tiles(x.float(), tile)
-    *lead, Mp, Np = xp.shape
-    return xp.view(*lead, Mp // tr, tr, Np // tc, tc).abs().amax(dim=(-3, -1))
+    return _tiled(x.float(), tile)[0].abs().amax(dim=(-3, -1))
 
 
 def scales_from_amax(amax: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
@@ -102,16 +115,18 @@ def scales_from_amax(amax: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
 
     ``"fp32"``: amax / 448, or 1 where that is zero (an all-zero tile, or an fp32 amax so small it underflows).
     ``"e8m0"``: 2 ** clamp(floor(log2(amax)) - 8, -127, 127); 2**-127 for zero tiles. floor(log2) comes exactly from
-    the fp32 exponent (frexp), never from a rounded logarithm. NaN amax gives a NaN scale in both formats.
+    the fp32 exponent (frexp), never from a rounded logarithm. A tile holding NaN or +-inf gets a NaN scale in both
+    formats, so its values dequantise to NaN (an overflow is never hidden as a finite number).
     """
     if fmt == "fp32":
         s = amax / E4M3_MAX
-        return torch.where((s > 0) | torch.isnan(s), s, torch.ones_like(s))
+        s = torch.where((s > 0) | torch.isnan(s), s, torch.ones_like(s))
+        return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
     if fmt == "e8m0":
         exp = torch.frexp(amax)[1] - 1 - E4M3_EMAX  # frexp: amax = m * 2**e with m in [0.5, 1)
         exp = torch.where(amax > 0, exp, torch.full_like(exp, E8M0_MIN_EXP)).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
         s = torch.ldexp(torch.ones_like(amax), exp)
-        return torch.where(torch.isnan(amax), amax, s)
+        return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
     raise ValueError(f"scale format {fmt!r}; allowed: 'fp32', 'e8m0'")
 
 
@@ -133,8 +148,9 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
         raise ValueError(f"quantise needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
     if min(tile) < 1:
         raise ValueError(f"tile {tile} must have positive dims")
-    scale = scales_from_amax(tile_amax(x, tile), fmt)
-    data = cast_e4m3(x.float() / expand_tiles(scale, tile, x.shape[-2:]))
+    xt, _ = _tiled(x.float(), tile)
+    scale = scales_from_amax(xt.abs().amax(dim=(-3, -1)), fmt)
+    data = _untiled(cast_e4m3(xt / scale.unsqueeze(-1).unsqueeze(-3)), x.shape)
     return Quantized(data, scale, tuple(tile), fmt)
 
 
