@@ -139,7 +139,7 @@ def test_validation_set_and_report(capsys):
     assert d["summary"]["points"] == len(validation.POINTS)
 
 
-@pytest.mark.xfail(strict=True, reason="validation MAE ~56% (goal 12%): every point over-predicted, most on HGX "
+@pytest.mark.xfail(strict=True, reason="validation MAE ~55% (goal 12%): every point over-predicted, most on HGX "
                    "B200/B300 (+63% to +108%) and small models; see docs/validation.md")
 def test_validation_goal():
     s = validation.summary(validation.run())

@@ -163,6 +163,10 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
             changes["dp"] = None
         if any(k in changes for k in ("pp", "vpp", "schedule")) and "pp_layout" not in changes:
             changes["pp_layout"] = None
+        if changes.get("framework", rec.plan.framework) != rec.plan.framework:
+            # another framework's recipe: its dispatcher and CUDA-graph defaults, unless given
+            changes.setdefault("dispatcher", None)
+            changes.setdefault("cuda_graphs", None)
     if rec and args.gpus and args.gpus != rec.n_gpus and "dp" not in changes:
         changes["dp"] = None
     if changes:
@@ -277,6 +281,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
              "message": r.message} for r in rows]}, args)
     if not args.json:
         report._console().print(report.validation_table(rows, summ))
+        if summ["mae_consistent_rows"] is not None:
+            print(f"MAE without source rows whose tok/s and TFLOP/s disagree: {summ['mae_consistent_rows']:.1%}")
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")

@@ -145,8 +145,9 @@ _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved
 #: Sustained rates: the datasheet dense peaks already differ by SKU where the power limit sets the clock (HGX B200
 #: at 1,000 W: 2.25 PF BF16; GB200 at 1,200 W: 2.5 PF; HGX B300 at 1,100 W: 2.25 PF; GB300 at 1,400 W: 2.5 PF),
 #: and what a GEMM or kernel reaches of them is the generation's efficiency (constants.py). SM counts: 132 on
-#: H100/H800/H200 SXM (H100 whitepaper), 148 on B200 / GB200, 160 on Blackwell Ultra B300 / GB300 (NVIDIA
-#: "Inside NVIDIA Blackwell Ultra"); docs/reference.md section 12.
+#: H100/H800/H200 SXM (H100 whitepaper), 160 on Blackwell Ultra B300 / GB300 (NVIDIA "Inside NVIDIA Blackwell
+#: Ultra"), 148 on B200 / GB200 (the device query's figure; no NVIDIA document found: an assumption);
+#: docs/reference.md section 12.
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("h100", "hopper", 989, 1979, None, 67, 80, 3.35, 900, 8, 400, 3.9, _DS + "; H100 SXM", sm=132, power=700),
     _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,

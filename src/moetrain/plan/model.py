@@ -182,6 +182,11 @@ class ItemCost:
     tp_s: float = 0.0
     cp_s: float = 0.0
     host_s: float = 0.0  # host launch time the GPU waits for (eager launches slower than the kernels run)
+    attn_share: float = 1.0  # share of the compute before the dispatch (attention, norms, router), for overlap
+    #: the all-to-all passes of one micro-batch: dispatch fwd, combine fwd, combine bwd, dispatch bwd (seconds);
+    #: extra passes (recompute) and metadata exchanges in a2a_extra_s
+    a2a_passes: tuple[float, ...] = ()
+    a2a_extra_s: float = 0.0
     attn_wgrad_s: float = 0.0  # weight-gradient GEMMs of the attention projections (a part of gemm_s)
     act_bytes: float = 0.0
     params_dense: float = 0.0
@@ -195,13 +200,46 @@ class ItemCost:
     def time(self, overlap: bool, sm_share: float) -> tuple[float, float]:
         """(time of the item, exposed all-to-all part), communication outside the a2a included."""
         c, a = self.compute_s, self.a2a_s
-        if overlap and a > 0:
+        if overlap and a > 0 and len(self.a2a_passes) == 4:
+            t = self.paired_time(sm_share)
+        elif overlap and a > 0:
             # forward a2a (half of the volume) under the partner's backward compute (2/3 of the compute), backward
             # a2a under the partner's forward compute (1/3); compute runs on the SMs the a2a kernels leave free
             t = max(a / 2, 2 * c / 3 + sm_share * a / 2) + max(a / 2, c / 3 + sm_share * a / 2)
         else:
             t = c + a
         return t + self.tp_s + self.cp_s, t - c
+
+
+def _paired_time(self: ItemCost, sm_share: float) -> float:
+    """Steady-state time of this item for one forward (micro-batch i+1) paired with one backward (micro-batch i),
+    the all-to-all of each hidden only behind the compute that runs beside it.
+
+    The windows are those of Megatron-Core's combined 1F1B (docs/reference.md section 9): the communication stream
+    runs ``combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd`` while the compute stream runs
+    ``pre_dispatch_fwd | mlp_bwd -> mlp_dW -> mlp_fwd | pre_dispatch_bwd``; with the data dependencies (the
+    backward MLP needs the combine gradient, the forward MLP the dispatched tokens) this gives five slots:
+
+        combine_bwd(B)  || attention fwd (F)
+        dispatch_fwd(F) || MLP data gradient (B)
+        dispatch_bwd(B) || MLP weight gradient (B)
+                           MLP fwd (F), alone
+        combine_fwd(F)  || attention bwd (B)
+
+    Each slot takes max(comm, compute + share x comm) (the compute runs on the SMs the communication kernels leave
+    free). Forward, data gradient and weight gradient are a third of each part's compute (the model's convention
+    for GEMMs); DualPipe's F&B chunk pairs overlap the same four transfers with the same segments (DeepSeek-V3
+    report sec. 3.2.1).
+    """
+    c = self.compute_s
+    ca, cm = c * self.attn_share, c * (1 - self.attn_share)
+    df, cf, cb, db = self.a2a_passes
+    s = sm_share
+    return (max(cb, ca / 3 + s * cb) + max(df, cm / 3 + s * df) + max(db, cm / 3 + s * db) + cm / 3
+            + max(cf, 2 * ca / 3 + s * cf) + self.a2a_extra_s)
+
+
+ItemCost.paired_time = _paired_time  # type: ignore[attr-defined]
 
 
 class _Ctx:
@@ -495,7 +533,11 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
         # + one metadata exchange (tokens per expert) before each forward dispatch; a system whose dispatcher makes
         # a known number of calls per layer (moetrain's own, for local runs) pays one latency per call instead
         extra = c.counts.a2a_calls - len(passes) if c.counts is not None else (2 if len(passes) > 4 else 1)
-        cost.a2a_s += sum(_a2a_pass_time(c, b) for b in passes) + c.a2a_lat * max(0.0, extra)
+        times = [_a2a_pass_time(c, b) for b in passes]
+        cost.a2a_s += sum(times) + c.a2a_lat * max(0.0, extra)
+        # order: dispatch fwd, combine fwd, combine bwd (dispatch direction), dispatch bwd (combine direction)
+        cost.a2a_passes = (times[0], times[1], times[2], times[3])
+        cost.a2a_extra_s = sum(times[4:]) + c.a2a_lat * max(0.0, extra)
 
 
 def _head_item(c: _Ctx, cost: ItemCost, n_heads_out: int = 1) -> None:
@@ -564,7 +606,9 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         _ffn_item(c, cost, s.dense_ffn, s.dense_ffn_params, c.fb.dense_ffn, recompute="mlp" in p.recomputed)
     elif kind in ("t", "m"):
         _attention_item(c, cost)
+        c_attn = cost.compute_s
         _moe_item(c, cost)
+        cost.attn_share = c_attn / cost.compute_s if cost.compute_s > 0 else 0.5
         if kind == "m":
             f = c.fb.mtp_extra * c.n
             cost.flops += f
