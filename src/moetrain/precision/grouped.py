@@ -4,7 +4,7 @@ Rows arrive grouped by expert (``tokens_per_expert_E`` rows each, in expert orde
 padding rows). The weight-gradient GEMM of an expert contracts over *its* tokens, quantised in token-dim tiles of
 ``recipe.block`` rows, so no tile may hold rows of two experts: :func:`aligned_layout` places each group at a
 multiple of ``recipe.group_align`` rows (as DeepGEMM's and torchao's grouped FP8 kernels want their groups, see
-docs/reference.md section 12), computed on the device without a host sync. Padding rows are zeros: they never raise
+docs/reference.md section 13), computed on the device without a host sync. Padding rows are zeros: they never raise
 a tile's amax, give zero outputs (0 @ W = 0, silu(0) * 0 = 0), carry zero gradients, and are dropped on the way out.
 
 Shape legend: S rows in, P padded rows, E experts (local), D model dim, F expert FFN dim, K / N a GEMM's in / out.

@@ -5,7 +5,7 @@ This module defines the numerics every FP8 path in moetrain must reproduce. A te
 ``s`` and its elements are stored as ``e4m3(x / s)``; dequantised, an element is ``e4m3 * s``. Tiles at the edge of a
 dim that is not a multiple of the tile are the remainder (as if zero-padded: zeros never raise a tile's amax), as
 the released DeepSeek-V3 weights do ("zero-padded to 128 before calculating the scale", README_WEIGHTS.md; see
-docs/reference.md section 12).
+docs/reference.md section 13).
 
 Two scale formats:
 

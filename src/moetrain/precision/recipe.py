@@ -15,9 +15,9 @@ Blockwise: DeepSeek-V3 report (arXiv 2412.19437) sec. 3.3.2 (1x128 activation ti
 scales, E4M3 everywhere, fp32 accumulation) and sec. 3.3.3 (the Linear's input is cached in FP8 for the backward;
 its appendix on hardware notes that the 1x128 FP8 activations are dequantised, transposed and re-quantised into
 128x1 tiles for the weight gradient). A 128x128 weight block is the same block read row- or column-wise, so one
-quantised W serves fprop and dgrad. MXFP8: OCP MX v1.0 (32-element blocks, E8M0 scales); every operand is scaled
-along its GEMM's contraction dim, so W is quantised once per direction from the high-precision weight, as
-Transformer Engine's MXFP8 recipe keeps a row-wise and a column-wise copy (docs/reference.md section 12).
+quantised W serves fprop and dgrad. MXFP8: OCP MX v1.0 (32-element blocks, E8M0 scales); MX blocks are 1-D and
+every operand is scaled along its GEMM's contraction dim, so W (and x, dy) is quantised once per direction from its
+high-precision value (docs/reference.md section 13).
 
 Kept in high precision by both recipes (DeepSeek-V3 sec. 3.3.1): embedding, output head, MoE router, norms, the
 attention core (softmax(QK^T)V); master weights, gradients and optimizer state are the model's own dtypes.
