@@ -57,7 +57,8 @@ def test_ep_overlap_follows_the_schedule():
     assert sched(pp=1, global_batch=1, dp=1).overlap_schedule is None     # one micro-batch: no partner
     assert sched(pp=4, vpp=2).overlap_schedule == "combined-1f1b"
     assert sched(pp=4, schedule="interleaved-1f1b", vpp=2).resolved_schedule == "interleaved"
-    assert Plan(ep=8, pp=4, schedule="dualpipev").overlap_schedule == "dualpipe"
+    assert Plan(ep=8, pp=4, schedule="dualpipev").overlap_schedule == "dualpipev"
+    assert Plan(ep=8, pp=4, schedule="dualpipe").overlap_schedule == "dualpipe"
     assert sched(pp=4, schedule="zbv").overlap_schedule is None
     # PP = 1: EP overlap hides the all-to-all once there are two micro-batches, not with one
     shape = "deepseek-v2-lite-16b"
@@ -72,11 +73,18 @@ def test_ep_overlap_follows_the_schedule():
     assert a.step.step == pytest.approx(b.step.step)
 
 
-def test_zbv_schedule_runs_and_has_a_small_bubble():
+def test_v_schedules_run_with_the_trainers_names():
     p = Plan(pp=4, ep=2, micro_batch=1, global_batch=64, seq_len=4096)
-    z = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="zbv"))
+    z = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="zbv", vpp=2))   # the trainer's VPP 2
     f = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="1f1b"))
+    v = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="dualpipev", vpp=2, ep_overlap=True))
+    d = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="dualpipe"))
     assert len(z.details["stages"]) == 8 and z.step.bubble < f.step.bubble
+    assert len(v.details["stages"]) == 8 and v.plan.vpp == 1 and v.details["overlap_schedule"] == "dualpipev"
+    assert v.step.exposed_a2a < z.step.exposed_a2a        # F&B pairs hide the all-to-all, ZBV does not
+    assert v.memory.weights < d.memory.weights            # one copy of the parameters, not DualPipe's two
+    i = predict("deepseek-v2-lite-16b", "h100", 8, p.replace(schedule="interleaved-1f1b", vpp=2))
+    assert i.plan.resolved_schedule == "interleaved"
 
 
 def test_host_launch_cost_without_cuda_graphs():

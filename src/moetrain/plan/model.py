@@ -750,7 +750,7 @@ def _device_stages(plan: Plan, n_stages: int) -> list[list[int]]:
     """Stage indices held by each pipeline rank."""
     if plan.resolved_schedule == "dualpipe":
         return [[d, plan.pp - 1 - d] for d in range(plan.pp)]
-    if plan.resolved_schedule == "zbv":
+    if plan.resolved_schedule in ("zbv", "dualpipev"):
         return [[d, 2 * plan.pp - 1 - d] for d in range(plan.pp)]
     return [[s for s in range(n_stages) if s % plan.pp == d] for d in range(plan.pp)]
 
@@ -765,6 +765,10 @@ def _in_flight(plan: Plan, device: int) -> list[float]:
         return [float(min(m, pp - device)), float(min(m, device + 1))]
     if sched == "1f1b":
         return [float(min(m, pp - device))]
+    if sched == "dualpipev":
+        # the V: chunk d sits at position d of a 2 PP-chunk pipeline, chunk 2PP-1-d at position 2PP-1-d; a chunk
+        # at position s keeps (2PP - s) micro-batches in flight, as 1F1B would (DualPipe README: PP+1 activations)
+        return [float(min(m, 2 * pp - device)), float(min(m, device + 1))]
     if sched == "zbv":
         # zero-bubble V: the peak activation memory of 1F1B (PP micro-batches of a whole rank's layers; Qi et al.,
         # "Zero Bubble Pipeline Parallelism", arXiv 2401.10241, ZB-V), i.e. PP micro-batches of each of its chunks
@@ -782,6 +786,8 @@ def _unpaired_fraction(plan: Plan) -> float:
     sched = plan.resolved_schedule
     if sched == "dualpipe":
         return min(1.0, (pp / 2) / m)
+    if sched == "dualpipev":
+        return min(1.0, pp / (2 * m))  # warm-up and cool-down: PP - 1 unpaired chunk passes of 2 m
     if sched == "interleaved":
         return min(1.0, ((pp - 1) * 2 + (vpp - 1) * pp + 1) / (m * vpp))
     if sched == "1f1b" and pp == 1:
@@ -1011,6 +1017,10 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         bubble = (plan.pp - 1) / plan.vpp * t_mean
     elif sched == "dualpipe":
         bubble = (plan.pp / 2 - 1) * (2 / 3) * t_mean
+    elif sched == "dualpipev":
+        # DualPipe's (PP'/2 - 1)(F&B + B - 3W) with PP' = 2 PP half-size chunks (docs/reference.md section 9:
+        # DualPipeV is DualPipe on half the devices): (PP - 1) x (2/3) x t/2
+        bubble = (plan.pp - 1) * t_mean / 3
     elif sched == "zbv":
         # ZB-1P's (PP-1)(F + B - 2W) with F = W = t/3, B = 2t/3, for the V's half-size chunks: (PP-1) t/6
         bubble = (plan.pp - 1) * t_mean / 6

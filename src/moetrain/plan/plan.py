@@ -39,11 +39,16 @@ RECOMPUTE_ALIASES = {"norm": "layernorm"}
 DEFAULT_SELECTIVE = ("layernorm", "mla_up_proj")
 ROUTING = ("balanced", "real")
 #: Pipeline schedules. "interleaved" = Megatron's interleaved 1F1B (VPP > 1; with EP overlap its combined 1F1B),
-#: "dualpipe" = DeepSeek's DualPipe / DualPipeV (two stages per rank, F&B chunk pairs), "zbv" = the zero-bubble V
-#: schedule (torch.distributed.pipelining ``ScheduleZBVZeroBubble``: two stages per rank in a V, split input /
-#: weight backward, no F&B pairing). The trainer's names are accepted too (SCHEDULE_ALIASES).
-SCHEDULES = ("1f1b", "interleaved", "dualpipe", "zbv")
-SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "dualpipev": "dualpipe", "dualpipe-v": "dualpipe"}
+#: "dualpipe" = DeepSeek's bidirectional DualPipe (rank d holds stage d of one direction and PP-1-d of the other:
+#: two copies of the parameters, F&B chunk pairs), "dualpipev" = DualPipeV (the V-shaped variant: 2 PP chunks,
+#: rank d holds chunks d and 2PP-1-d, one copy of the parameters, F&B chunk pairs; torch.distributed.pipelining
+#: ``ScheduleDualPipeV``, what moetrain's trainer runs), "zbv" = the zero-bubble V schedule
+#: (``ScheduleZBVZeroBubble``: the same V, split input / weight backward, no F&B pairing). The trainer's
+#: "interleaved-1f1b" is accepted for "interleaved" (SCHEDULE_ALIASES).
+SCHEDULES = ("1f1b", "interleaved", "dualpipe", "dualpipev", "zbv")
+SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "dualpipe-v": "dualpipev"}
+#: Schedules that hold two chunks per rank in a V (the trainer's ``V_SCHEDULES``).
+V_SCHEDULES = ("dualpipev", "zbv")
 #: Token dispatchers (docs/reference.md section 10): "alltoall" sends one row per (token, expert) pair (Megatron
 #: ``alltoall``, TorchTitan's default); "flex" one per (token, destination rank), and across NVLink domains one
 #: per (token, destination domain) forwarded over NVLink there (DeepEP, HybridEP, Megatron ``flex``);
@@ -100,7 +105,8 @@ class Plan:
             :func:`moetrain.plan.model.predict`; the prediction's plan carries the solved value.
         node_limit_m: node-limited routing: each token goes to experts on at most M NVLink domains (DeepSeek-V3:
             4 nodes). None = derived from group-limited routing when groups align with domains, else no limit.
-        schedule: "1f1b", "interleaved" (needs vpp > 1) or "dualpipe" (vpp must be 1). None = interleaved when
+        schedule: "1f1b", "interleaved" (needs vpp > 1), "dualpipe", "dualpipev" or "zbv" (SCHEDULES; the V
+            schedules take VPP 1 or the trainer's 2). None = interleaved when
             vpp > 1 else 1f1b.
         pp_layout: Megatron ``pipeline_model_parallel_layout`` ("Et*4|(t*4|)*14tmL": E embedding, t layer,
             m MTP module, L output head + loss, | stage boundary). None = balanced automatically.
@@ -193,7 +199,7 @@ class Plan:
     def overlap_schedule(self) -> str | None:
         """How the expert all-to-all is hidden, from the schedule; None = not at all.
 
-        * "dualpipe": DualPipe's F&B chunk pairs (always, it is what the schedule is for).
+        * "dualpipe" / "dualpipev": DualPipe's F&B chunk pairs (always, it is what the schedule is for).
         * "combined-1f1b": ``ep_overlap`` under interleaved 1F1B (Megatron's combined 1F1B merges one chunk's
           forward with another's backward; Megatron asserts VPP when PP > 1).
         * "paired-microbatch": ``ep_overlap`` with PP = 1 and at least 2 micro-batches: the forward of micro-batch
@@ -205,8 +211,8 @@ class Plan:
         if self.ep <= 1:
             return None
         sched = self.resolved_schedule
-        if sched == "dualpipe":
-            return "dualpipe"
+        if sched in ("dualpipe", "dualpipev"):
+            return sched
         if not self.ep_overlap:
             return None
         if sched == "interleaved":
@@ -412,7 +418,7 @@ def n_pipeline_stages(plan: Plan) -> int:
     sched = plan.resolved_schedule
     if sched == "dualpipe":
         return plan.pp
-    if sched == "zbv":
+    if sched in V_SCHEDULES:
         return 2 * plan.pp
     return plan.pp * plan.vpp
 
@@ -532,13 +538,15 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
             raise PlanError(f"DualPipe needs an even PP >= 2 (got {plan.pp})")
         if m % 2 or m < 2 * plan.pp:
             raise PlanError(f"DualPipe needs an even number of micro-batches >= 2*PP = {2 * plan.pp} (got {m})")
-    elif sched == "zbv":
+    elif sched in V_SCHEDULES:
+        name = {"zbv": "ZBV", "dualpipev": "DualPipeV"}[sched]
         if plan.vpp not in (1, 2):
-            raise PlanError("ZBV holds two stages per rank by itself (a V); set VPP=1 (or 2, the trainer's count)")
+            raise PlanError(f"{name} holds two chunks per rank by itself (a V); set VPP=1 (or 2, the trainer's "
+                            "count)")
         if plan.pp < 2:
-            raise PlanError(f"ZBV needs PP >= 2 (got {plan.pp})")
-        if m < 2 * plan.pp:
-            raise PlanError(f"ZBV needs >= 2*PP = {2 * plan.pp} micro-batches (got {m})")
+            raise PlanError(f"{name} needs PP >= 2 (got {plan.pp})")
+        if m < plan.pp:
+            raise PlanError(f"{name} needs >= PP = {plan.pp} micro-batches to fill the V (got {m})")
     elif plan.vpp != 1:
         raise PlanError(f"VPP={plan.vpp} needs the interleaved schedule (schedule={plan.schedule!r})")
     n_stages = n_pipeline_stages(plan.replace(schedule=sched))
@@ -551,4 +559,4 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
     if plan.pp > 1 and m < plan.pp:
         raise PlanError(f"{m} micro-batches per step cannot fill a pipeline of PP={plan.pp}; raise global_batch "
                         "or lower DP/PP")
-    return plan.replace(schedule=sched, vpp=1 if sched == "zbv" else plan.vpp)
+    return plan.replace(schedule=sched, vpp=1 if sched in V_SCHEDULES else plan.vpp)

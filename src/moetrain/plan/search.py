@@ -25,12 +25,13 @@ MEMORY_HEADROOM = 0.05
 #: What each framework runs, for ``--search`` (by default a search keeps to the plan's framework):
 #: tensor / context parallel sizes, GEMM precisions, pipeline schedules, whether its EP overlap exists, FSDP.
 #: moetrain: what its trainer runs -- data x expert parallel with FSDP2, pipeline parallel with the 1f1b /
-#: interleaved-1f1b / dualpipev / zbv schedules, no TP, no CP, no FP8 GEMMs yet (BF16 on GPUs). Megatron-Core:
+#: interleaved-1f1b / dualpipev / zbv schedules (moetrain.parallel.config.PP_SCHEDULES), no TP, no CP, no FP8
+#: GEMMs yet (BF16 on GPUs). Megatron-Core:
 #: TP, CP, FP8, 1F1B and interleaved 1F1B (combined 1F1B with EP overlap), no DualPipe. DeepSeek-V3's framework:
 #: DualPipe, no TP (report sec. 3.2). TorchTitan: TP, CP, FP8, 1F1B / interleaved / ZBV, no EP overlap.
 FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {
     "moetrain": {"tp": (1,), "cp": (1,), "precisions": ("bf16", "fp32"),
-                 "schedules": ("1f1b", "interleaved", "dualpipe", "zbv"), "ep_overlap": True, "fsdp": True},
+                 "schedules": ("1f1b", "interleaved", "dualpipev", "zbv"), "ep_overlap": True, "fsdp": True},
     "megatron": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved"),
                  "ep_overlap": True, "fsdp": None},
     "deepseek": {"tp": (1,), "cp": (1,), "precisions": None, "schedules": ("dualpipe", "1f1b"),
@@ -139,7 +140,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
             best plan is compared with.
         tp, pp, vpp, ep, cp, micro_batch: candidate values (None = a sensible default range).
         allow_overlap: consider expert-parallel overlap (on for every EP > 1).
-        schedules: pipeline schedules to try among "1f1b"/"interleaved"/"dualpipe" (None: 1F1B and interleaved,
+        schedules: pipeline schedules to try (plan.SCHEDULES; None: 1F1B and interleaved,
             plus DualPipe when the base plan uses it).
         top: keep only this many ranked plans.
         headroom: rank only plans that leave this fraction of the GPU memory free (allocator fragmentation and
@@ -212,7 +213,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                         vpps = [v for v in (vpp or (2, 4, 8)) if v > 1 and p > 1 and p * v <= n_items]
                     elif sched == "dualpipe":
                         vpps = [1] if p >= 2 and p % 2 == 0 else []
-                    elif sched == "zbv":
+                    elif sched in ("zbv", "dualpipev"):
                         vpps = [1] if p >= 2 and 2 * p <= n_items else []
                     else:
                         vpps = [1]
@@ -223,7 +224,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                     cand = base.replace(tp=t, pp=p, vpp=v, ep=e, cp=c, dp=None, micro_batch=mb,
                                                         recompute=rc, recompute_modules=mods, schedule=sched,
                                                         ep_overlap=allow_overlap and e > 1 or
-                                                        (sched == "dualpipe"), pp_layout=None,
+                                                        (sched in ("dualpipe", "dualpipev")), pp_layout=None,
                                                         dispatcher=base.dispatcher)
                                     try:
                                         pr = predict(shape, spec, n_gpus, cand)
