@@ -492,6 +492,9 @@ class DispatchStats:
     # addressed to other EP ranks (what crosses the wire). Per dispatch call: a recomputed forward counts again.
     rows_sent: int = 0
     remote_rows_sent: int = 0
+    # Bytes of those rows on the wire (values, plus scales under FP8 dispatch; metadata not included).
+    bytes_sent: int = 0
+    remote_bytes_sent: int = 0
 
 
 class LocalDispatcher:

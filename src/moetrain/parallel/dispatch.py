@@ -42,6 +42,12 @@ Gate weights: in the per-assignment path they never travel (expert outputs come 
 the source in fp32). In the deduplicated path they must travel, since a rank sends back one summed row per token:
 they go with the rows through the differentiable all-to-all, so the router's gradient comes back the same way.
 
+FP8 dispatch (``dispatch_dtype="fp8"``): the token rows of either path are quantised to E4M3 in 1x128 tiles before
+their all-to-all and travel as FP8 bytes plus fp32 scales (D + 4 ceil(D / 128) bytes a row instead of 2 D in BF16);
+the destination dequantises them before the experts. The gradient of the dispatch goes back in high precision,
+as the combine does (straight-through: the quantisation's gradient is taken as the identity). ``stats.bytes_sent``
+counts the row payload sent (values and scales; gate weights, expert ids and counts are not included).
+
 Shape legend: T tokens, D dim, K top-k, E all experts, El local experts, R = EP ranks, C = El + 1 count columns,
 S rows sent, N rows received, A local assignments (rows after expansion at the destination).
 """
@@ -52,10 +58,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
                                 permute, unpermute)
-from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts
+from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, name_collective_error
+from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
+
+#: Wire formats of the dispatched token rows (``parallel.dispatch_dtype``): "bf16" sends the rows in the
+#: activations' own dtype (BF16 under GPU mixed precision); "fp8" sends E4M3 values with one fp32 scale per 1x128
+#: tile of each row (DeepSeek-V3 sec. 3.3.3, docs/reference.md section 13) and dequantises them on arrival. The
+#: combine and every gradient all-to-all stay in high precision.
+DISPATCH_DTYPES = ("bf16", "fp8")
+#: Tile of the FP8 dispatch: one scale per 128 elements of a row.
+FP8_DISPATCH_TILE = (1, 128)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,6 +178,79 @@ class _DedupCombineHandle:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# FP8 rows on the wire
+# ----------------------------------------------------------------------------------------------------------------
+
+class _Fp8Pending:
+    """The two in-flight all-to-alls of FP8 rows (values, scales); ``wait()`` also dequantises the received rows
+    into the output buffer the dispatch returned."""
+
+    def __init__(self, values: Pending, scales: Pending, recv_u8: torch.Tensor, recv_scale: torch.Tensor,
+                 out: torch.Tensor):
+        self.values, self.scales, self.recv_u8, self.recv_scale, self.out = values, scales, recv_u8, recv_scale, out
+        self.waited = False
+
+    def wait(self, exposed_from_issue: bool = False) -> None:
+        if self.waited:
+            return
+        self.values.wait(exposed_from_issue)
+        self.scales.wait(exposed_from_issue)
+        q = Quantized(self.recv_u8.view(FP8_DTYPE), self.recv_scale, FP8_DISPATCH_TILE, "fp32")
+        with torch.no_grad():
+            self.out.copy_(q.dequantise(self.out.dtype))
+        self.waited = True
+
+
+class _Fp8AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows quantised to FP8 (1x128 tiles, fp32 scales), dequantised on arrival into x's
+    dtype. Backward: the reverse all-to-all of the gradient in its own dtype (straight-through the quantisation)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, box: list,
+                phase: str, stats: Any) -> torch.Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.phase, ctx.stats = group, out_splits, in_splits, phase, stats
+        q = quantise(x.detach(), FP8_DISPATCH_TILE, "fp32")
+        # As bytes: not every backend's all-to-all takes float8 tensors.
+        send_u8, send_scale = q.data.view(torch.uint8).contiguous(), q.scale.contiguous()
+        N = sum(out_splits)
+        recv_u8 = send_u8.new_empty((N,) + tuple(send_u8.shape[1:]))
+        recv_scale = send_scale.new_empty((N,) + tuple(send_scale.shape[1:]))
+        pendings = []
+        for recv, send, name in ((recv_u8, send_u8, phase), (recv_scale, send_scale, f"{phase} (FP8 scales)")):
+            try:
+                work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
+            except RuntimeError as e:
+                raise name_collective_error(name, e) from e
+            pendings.append(Pending(work, name, stats))
+        out = x.new_empty((N,) + tuple(x.shape[1:]))
+        box.append(_Fp8Pending(pendings[0], pendings[1], recv_u8, recv_scale, out))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        out, pending = all_to_all(grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group,
+                                  f"{ctx.phase} backward", ctx.stats)
+        pending.wait(exposed_from_issue=True)
+        return out, None, None, None, None, None, None
+
+
+def fp8_all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, phase: str,
+                   stats: Any = None) -> tuple[torch.Tensor, _Fp8Pending]:
+    """Start an uneven all-to-all of the rows of ``x`` (S, D) in FP8; returns (output (N, D) in x's dtype, pending).
+    Read the output only after ``pending.wait()``. Differentiable (straight-through). Raises CollectiveError."""
+    box: list[_Fp8Pending] = []
+    out = _Fp8AllToAll.apply(x, out_splits, in_splits, group, box, phase, stats)
+    return out, box[0]
+
+
+def row_wire_bytes(n_cols: int, dtype: torch.dtype, dispatch_dtype: str) -> int:
+    """Bytes one dispatched row of ``n_cols`` elements puts on the wire: values (+ fp32 scales under "fp8")."""
+    if dispatch_dtype == "fp8":
+        return n_cols + 4 * -(-n_cols // FP8_DISPATCH_TILE[1])
+    return n_cols * torch.empty((), dtype=dtype).element_size()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The dispatcher
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -178,6 +267,11 @@ class AllToAllDispatcher:
         dedup: send a token once per destination rank rather than once per expert (DeepEP / Megatron flex
             dispatcher). Applies in dropless mode only; with a capacity factor the per-assignment path runs, since
             dropping and padding act on single assignments. ``self.dedup`` says which path runs.
+        dispatch_dtype: wire format of the dispatched rows, one of ``DISPATCH_DTYPES`` ("fp8": E4M3 + 1x128 fp32
+            scales, see the module docstring).
+
+    Raises:
+        ValueError: EP size not dividing the experts, or an unknown ``dispatch_dtype``.
     """
 
     #: ``all_to_all_single`` calls of one MoE layer, (forward, backward), on the token-dedup path: forward = the
@@ -189,9 +283,13 @@ class AllToAllDispatcher:
     CALLS_PER_ASSIGNMENT = (3, 2)
 
     def __init__(self, n_experts: int, ep_size: int, ep_rank: int, group: Any,
-                 capacity: CapacityConfig | None = None, overlap: bool = True, dedup: bool = True):
+                 capacity: CapacityConfig | None = None, overlap: bool = True, dedup: bool = True,
+                 dispatch_dtype: str = "bf16"):
         if n_experts % ep_size:
             raise ValueError(f"EP size {ep_size} must divide the number of experts {n_experts}")
+        if dispatch_dtype not in DISPATCH_DTYPES:
+            raise ValueError(f"dispatch_dtype={dispatch_dtype!r}; allowed: {', '.join(DISPATCH_DTYPES)}")
+        self.dispatch_dtype = dispatch_dtype
         self.n_experts, self.ep_size, self.ep_rank, self.group = n_experts, ep_size, ep_rank, group
         self.n_local_experts = n_experts // ep_size
         self.local_expert_offset = ep_rank * self.n_local_experts
@@ -211,9 +309,9 @@ class AllToAllDispatcher:
         recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats)
         splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
-        rows_N, pending = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch")
+        rows_N, pending = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch", rows=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
-        self._count_rows(send_splits)
+        self._count_rows(send_splits, x_SD)
         state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
                           (~keep_TK).sum() if keep_TK is not None else 0)
         return _DispatchHandle(self, rows_N, pending, state, recv_counts_RE, capacity)
@@ -271,8 +369,8 @@ class AllToAllDispatcher:
         # comes back through its backward.
         weight_NK, pend_w = self._all_to_all(weight_SK, recv_splits, send_splits, "dispatch (gate weights)")
         local_NK, pend_l = self._all_to_all(local_SK, recv_splits, send_splits, "dispatch (expert ids)")
-        rows_ND, pend_x = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch")
-        self._count_rows(send_splits)
+        rows_ND, pend_x = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch", rows=True)
+        self._count_rows(send_splits, x_SD)
         state = _DedupState(token_S, send_splits, recv_splits, T, x_TD.dtype)
         return _DedupDispatchHandle(rows_ND, weight_NK, local_NK, [pend_w, pend_l, pend_x], recv_counts_RC,
                                     sum(recv_assign), state)
@@ -287,18 +385,25 @@ class AllToAllDispatcher:
         rows_SD, pending = self._all_to_all(rows_ND, state.send_splits, state.recv_splits, "combine")
         return _DedupCombineHandle(rows_SD, pending, state)
 
-    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], phase: str
-                    ) -> tuple[torch.Tensor, Pending]:
-        """Start one named all-to-all on the EP group; with overlap off, wait for it at once (all of it exposed)."""
-        out, pending = all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
+    def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], phase: str,
+                    rows: bool = False) -> tuple[torch.Tensor, Pending | _Fp8Pending]:
+        """Start one named all-to-all on the EP group; with overlap off, wait for it at once (all of it exposed).
+        ``rows``: the dispatched token rows, which travel in ``dispatch_dtype``."""
+        if rows and self.dispatch_dtype == "fp8":
+            out, pending = fp8_all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
+        else:
+            out, pending = all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
         if not self.overlap:
             pending.wait(exposed_from_issue=True)
         return out, pending
 
-    def _count_rows(self, send_splits: list[int]) -> None:
+    def _count_rows(self, send_splits: list[int], x_SD: torch.Tensor) -> None:
         self.stats.calls += 1
         self.stats.rows_sent += sum(send_splits)
         self.stats.remote_rows_sent += sum(send_splits) - send_splits[self.ep_rank]
+        row = row_wire_bytes(x_SD.shape[-1], x_SD.dtype, self.dispatch_dtype)
+        self.stats.bytes_sent += row * sum(send_splits)
+        self.stats.remote_bytes_sent += row * (sum(send_splits) - send_splits[self.ep_rank])
 
 
 def _regroup_index(recv_counts_RE: torch.Tensor, n_rows: int) -> torch.Tensor:
