@@ -189,11 +189,21 @@ def search_table(res: SearchResult, n: int = 10):
     t = Table(title=f"Best plans (of {res.evaluated} predicted; {res.not_fitting} did not fit, {res.invalid} invalid)",
               title_justify="left")
     for col, just in (("#", "right"), ("plan", "left"), ("TFLOP/s/GPU", "right"), ("tok/s/GPU", "right"),
-                      ("memory GiB", "right")):
+                      ("memory GiB", "right"), ("compute", "right"), ("a2a", "right"), ("comm", "right"),
+                      ("bubble", "right")):
         t.add_column(col, justify=just)
+
+    def shares(p: Prediction) -> list[str]:
+        st = p.step
+        return [f"{v / st.step:.0%}" for v in (st.compute, st.exposed_a2a, st.other_comm, st.bubble)]
+
+    b = res.baseline
+    if b is not None and b.fits and b.step is not None:
+        t.add_row("base", b.plan.short(), f"{b.tflops_per_gpu:,.1f}", f"{b.tokens_per_s_per_gpu:,.0f}",
+                  f"{b.memory.total:.0f}/{b.memory_limit_gib:g}", *shares(b))
     for i, p in enumerate(res.ranked[:n], 1):
         t.add_row(str(i), p.plan.short(), f"{p.tflops_per_gpu:,.1f}", f"{p.tokens_per_s_per_gpu:,.0f}",
-                  f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+                  f"{p.memory.total:.0f}/{p.memory_limit_gib:g}", *shares(p))
     return t
 
 

@@ -115,7 +115,8 @@ class SearchResult:
             "baseline_error": self.baseline_error,
             "changes": self.changes(), "gain": self.gain(),
             "top": [{"plan": p.plan.short(), "tflops_per_gpu": p.tflops_per_gpu,
-                     "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib": p.memory.total}
+                     "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib": p.memory.total,
+                     "step_s": p.step.to_dict() if p.step else None}
                     for p in self.ranked[:20]],
             "evaluated": self.evaluated, "invalid": self.invalid, "not_fitting": self.not_fitting,
             "framework": self.framework, "restriction": self.restriction,
