@@ -140,6 +140,12 @@ def test_validation_set_and_report(capsys):
     assert len(models) >= 2 and {"b200", "b300"} <= gpus
     for p in validation.POINTS:
         assert p.source and p.note and p.tflops_per_gpu > 0
+    rows = validation.run()
+    gens = {"b200": "blackwell", "b300": "blackwell", "gb200": "blackwell", "gb300": "blackwell", "h100": "hopper"}
+    for r in rows:
+        assert r.prediction is not None, f"{r.point.key}: {r.message}"      # every plan is valid
+        # the same constants for every point of a generation (none per point)
+        assert r.prediction.details["efficiency"] == efficiency_for(gens[r.point.gpu]).to_dict()
     assert plan_main(["--validate", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     errs = [abs(x["error"]) for x in d["points"] if x["error"] is not None]
