@@ -301,7 +301,7 @@ def _run_by_key(key: str) -> tuple[Any, str]:
         if pt.key == k:
             return (predict(validation.model_shape(pt.model), pt.gpu, pt.n_gpus, pt.plan),
                     f"{k} ({pt.n_gpus} {pt.gpu.upper()})")
-    raise KeyError(f"unknown run {key!r}; records: {sorted(RECORDS)}; validation points: "
+    raise ValueError(f"unknown run {key!r}; records: {sorted(RECORDS)}; validation points: "
                    f"{[p.key for p in validation.POINTS]}")
 
 
