@@ -19,7 +19,7 @@ import torch
 
 from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
 from moetrain.errors import CheckpointError
-from moetrain.interop.hf import HFSpec, hf_specs, write_hf_checkpoint
+from moetrain.interop.hf import FP8_QUANTIZATION_CONFIG, HFSpec, fp8_fetch, fp8_specs, hf_specs, write_hf_checkpoint
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import build_model
 
@@ -51,12 +51,16 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
-               dtype: torch.dtype | None = None, max_shard_bytes: float = 5e9, overwrite: bool = False) -> Path:
+               dtype: torch.dtype | None = None, max_shard_bytes: float = 5e9, overwrite: bool = False,
+               fp8: bool = False) -> Path:
     """Write the HF checkpoint of ``run_dir``'s checkpoint (newest, or ``step``) to ``out_dir``: sharded safetensors,
     index, config.json (MTP layers under ``model.layers.{n_layers}``, as released) and the run's tokenizer.json.
 
     Args:
         dtype: cast floating tensors (the router bias stays fp32); None keeps the trained fp32 values exactly.
+        fp8: write the released FP8 layout: attention and FFN linears as float8_e4m3fn with a fp32
+            ``weight_scale_inv`` per 128x128 block, quantised from the trained fp32 weights, and config.json's
+            ``quantization_config``; the other tensors in ``dtype`` (default bf16, as released).
 
     Raises:
         CheckpointError: no such checkpoint, one without the model config, or one of an older layout.
@@ -90,6 +94,13 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
     extra = {"tokenizer.json": tok} if tok.is_file() else {}
     if not extra:
         print(f"[moetrain] note: {tok} not found; the export has no tokenizer")
+    if fp8:
+        if dtype is None:
+            specs = hf_specs(model, torch.bfloat16)
+        specs, source = fp8_specs(specs)
+        source = {n: HFSpec(sp.hf_name, sp.shape, torch.float32, sp.name, sp.region) for n, sp in source.items()}
+        return write_hf_checkpoint(cfg, specs, fp8_fetch(fetch, source), out_dir, max_shard_bytes,
+                                   dtype or torch.bfloat16, overwrite, extra, FP8_QUANTIZATION_CONFIG)
     saved_dtype = dtype or torch.float32
     return write_hf_checkpoint(cfg, specs, fetch, out_dir, max_shard_bytes, saved_dtype, overwrite, extra)
 

@@ -784,11 +784,12 @@ def hf_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[HFSpec]
 def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
                         fetch: Callable[[list[HFSpec]], dict[str, torch.Tensor]], path: str | os.PathLike,
                         max_shard_bytes: float = 5e9, saved_dtype: torch.dtype = torch.float32,
-                        overwrite: bool = False, extra_files: dict[str, Path] | None = None) -> Path:
+                        overwrite: bool = False, extra_files: dict[str, Path] | None = None,
+                        quantization_config: dict[str, Any] | None = None) -> Path:
     """Write shards ``model-0000i-of-0000N.safetensors`` (each from one ``fetch(specs of that shard)`` call, so at
     most one shard's tensors are in memory), the index and ``config.json``, into a temporary sibling directory that
     is renamed onto ``path`` only when complete. ``extra_files`` (name -> source path, e.g. the tokenizer) are
-    copied in too.
+    copied in too. ``quantization_config`` goes into config.json as is (FP8 exports: :data:`FP8_QUANTIZATION_CONFIG`).
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is False.
@@ -830,6 +831,8 @@ def write_hf_checkpoint(cfg: ModelConfig, specs: list[HFSpec],
         _write_json(tmp / INDEX_NAME, index)
         hf_cfg = config_to_hf(cfg)
         hf_cfg["dtype"] = str(saved_dtype).removeprefix("torch.")
+        if quantization_config is not None:
+            hf_cfg["quantization_config"] = quantization_config
         _write_json(tmp / CONFIG_NAME, hf_cfg)
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
@@ -865,3 +868,62 @@ def iter_hf_state(model: nn.Module, dtype: torch.dtype | None = None) -> Iterato
     by_name = {e.hf_name: e for e in _entries(model)[0]}
     for sp in hf_specs(model, dtype):
         yield sp.hf_name, _materialise(by_name[sp.hf_name].view(), sp.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 export: the released block-scaled layout
+# ----------------------------------------------------------------------------------------------------------------
+
+#: HF weights an FP8 export stores as float8_e4m3fn with a ``weight_scale_inv`` (layout: docs/reference.md section
+#: 7): the linears of attention and of every FFN (dense, shared and routed experts), the GEMMs FP8 training runs in
+#: FP8. Embedding, head, norms, the router and MTP's ``eh_proj`` stay in the high-precision dtype (whether the
+#: release quantises ``eh_proj`` is not recorded here; the loader reads either form).
+FP8_WEIGHT_SUFFIXES = tuple(f".{n}.weight" for n in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa",
+                                                      "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+#: config.json's ``quantization_config`` of the release (README_WEIGHTS.md; docs/reference.md section 13).
+FP8_QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+_SCALE_SUFFIX = "_scale_inv"
+
+
+def is_fp8_weight(hf_name: str) -> bool:
+    """Whether the released FP8 layout stores HF tensor ``hf_name`` in FP8 (see :data:`FP8_WEIGHT_SUFFIXES`)."""
+    return hf_name.startswith("model.layers.") and hf_name.endswith(FP8_WEIGHT_SUFFIXES) and ".eh_proj." not in hf_name
+
+
+def fp8_specs(specs: list[HFSpec]) -> tuple[list[HFSpec], dict[str, HFSpec]]:
+    """The tensors of the FP8 export of ``specs``: each FP8 weight (:func:`is_fp8_weight`) as float8_e4m3fn,
+    followed by its ``<name>_scale_inv`` (fp32, (ceil(out/128), ceil(in/128))); the rest unchanged. Also returns the
+    original spec of each FP8 weight and scale, by HF name, to read its source values."""
+    out: list[HFSpec] = []
+    source: dict[str, HFSpec] = {}
+    for sp in specs:
+        if not (is_fp8_weight(sp.hf_name) and len(sp.shape) == 2 and sp.dtype.is_floating_point):
+            out.append(sp)
+            continue
+        rows, cols = sp.shape
+        scale = HFSpec(sp.hf_name + _SCALE_SUFFIX, (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), torch.float32,
+                       sp.name, sp.region)
+        out += [HFSpec(sp.hf_name, sp.shape, torch.float8_e4m3fn, sp.name, sp.region), scale]
+        source[sp.hf_name] = source[scale.hf_name] = sp
+    return out, source
+
+
+def fp8_fetch(fetch: Callable[[list[HFSpec]], dict[str, torch.Tensor]], source: dict[str, HFSpec]
+              ) -> Callable[[list[HFSpec]], dict[str, torch.Tensor]]:
+    """Wrap a shard ``fetch`` of high-precision tensors into one of the FP8 specs of :func:`fp8_specs`: each FP8
+    weight is read in its source dtype and quantised per 128x128 block (``moetrain.precision.quantise``: E4M3 of
+    W / s, s = block amax / 448, which the loader's W_fp8 * weight_scale_inv dequantises back exactly)."""
+    from moetrain.precision.quant import quantise
+
+    def fetch_fp8(shard: list[HFSpec]) -> dict[str, torch.Tensor]:
+        plain = [sp for sp in shard if sp.hf_name not in source]
+        wanted = list(dict.fromkeys(source[sp.hf_name].hf_name for sp in shard if sp.hf_name in source))
+        got = fetch(plain + [source[n] for n in wanted])
+        out: dict[str, torch.Tensor] = {}
+        for n in wanted:
+            q = quantise(got.pop(n), (FP8_BLOCK, FP8_BLOCK), "fp32")
+            out[n], out[n + _SCALE_SUFFIX] = q.data, q.scale
+        return {sp.hf_name: (out[sp.hf_name] if sp.hf_name in source else got[sp.hf_name]) for sp in shard}
+
+    return fetch_fp8

@@ -150,7 +150,7 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
         raise ValueError(f"tile {tile} must have positive dims")
     xt, _ = _tiled(x.float(), tile)
     scale = scales_from_amax(xt.abs().amax(dim=(-3, -1)), fmt)
-    data = _untiled(cast_e4m3(xt / scale.unsqueeze(-1).unsqueeze(-3)), x.shape)
+    data = _untiled(cast_e4m3(xt / scale.unsqueeze(-1).unsqueeze(-3)), x.shape).contiguous()
     return Quantized(data, scale, tuple(tile), fmt)
 
 
