@@ -89,3 +89,17 @@ def test_fp8_training_follows_bf16():
         got = _train(model, cfg, batches)
         gap = (sum(got[-4:]) - sum(ref[-4:])) / sum(ref[-4:])
         assert abs(gap) < 0.02, (recipe, got[-4:], ref[-4:])
+
+
+def test_planner_precisions_map_one_to_one_onto_the_config_fields():
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.dispatch import DISPATCH_DTYPES
+    from moetrain.plan.plan import DISPATCH_PRECISIONS, PRECISIONS
+    from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
+
+    assert set(PLAN_PRECISION_TO_FP8) == set(PRECISIONS)
+    for p, fp8 in PLAN_PRECISION_TO_FP8.items():
+        assert TrainConfig(fp8=fp8).fp8 == fp8  # type: ignore[arg-type]
+    assert set(DISPATCH_PRECISIONS) == set(DISPATCH_DTYPES)
+    for d in DISPATCH_PRECISIONS:
+        assert ParallelConfig(dispatch_dtype=d).dispatch_dtype == d

@@ -12,9 +12,9 @@ wgrad       dW = dy^T x          M (tokens)               dy 128x1, x 128x1     
 ==========  ===================  =======================  =========================  ===========================
 
 Blockwise: DeepSeek-V3 report (arXiv 2412.19437) sec. 3.3.2 (1x128 activation tiles, 128x128 weight blocks, fp32
-scales, E4M3 everywhere, fp32 accumulation) and sec. 3.3.3 (the Linear's input is cached in FP8 for the backward;
-its appendix on hardware notes that the 1x128 FP8 activations are dequantised, transposed and re-quantised into
-128x1 tiles for the weight gradient). A 128x128 weight block is the same block read row- or column-wise, so one
+scales, E4M3 everywhere, fp32 accumulation), sec. 3.3.3 (the Linear's input is cached in FP8 for the backward)
+and sec. 3.5.2 (the 1x128 FP8 activations are dequantised, transposed and re-quantised into 128x1 tiles for the
+weight gradient). A 128x128 weight block is the same block read row- or column-wise, so one
 quantised W serves fprop and dgrad. MXFP8: OCP MX v1.0 (32-element blocks, E8M0 scales); MX blocks are 1-D and
 every operand is scaled along its GEMM's contraction dim, so W (and x, dy) is quantised once per direction from its
 high-precision value (docs/reference.md section 13).
@@ -97,3 +97,9 @@ def get_recipe(recipe: str | Fp8Recipe | None) -> Fp8Recipe | None:
     if recipe not in RECIPES:
         raise ValueError(f"FP8 recipe {recipe!r}; allowed: {', '.join(map(repr, RECIPE_NAMES))}")
     return RECIPES[recipe]
+
+
+#: The planner's ``Plan.precision`` (moetrain.plan.plan.PRECISIONS) -> ``train.fp8``: "fp8" is DeepSeek-V3's
+#: blockwise recipe (the H800/H100 records), "mxfp8" the Blackwell one. ``Plan.dispatch_precision`` ("bf16" /
+#: "fp8") is ``parallel.dispatch_dtype`` value for value.
+PLAN_PRECISION_TO_FP8: dict[str, str] = {"bf16": "none", "fp32": "none", "fp8": "blockwise", "mxfp8": "mxfp8"}
