@@ -91,11 +91,12 @@ def _zero_tail(t: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
 def _gmm(a_PK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """fp32 y_p = a_p @ b[e(p)]^T for rows grouped by ``offs_E``; rows past offs[-1] are zero. (P, K) -> (P, N).
 
-    CPU: ``torch._grouped_mm`` in fp32. CUDA: its kernel is bf16-only; the MXFP8 operands are exact in bf16
-    (E4M3 values times powers of two), the blockwise ones are rounded to bf16 (2**-9 relative per element).
+    CPU: ``torch._grouped_mm`` in fp32. CUDA: its kernel is bf16-only (fp32 accumulation, bf16 output); the MXFP8
+    operands are exact in bf16 (E4M3 values times powers of two), the blockwise ones are rounded to bf16 (2**-9
+    relative per element), and the output is rounded to bf16 once. Not run here (no GPU).
     """
     if a_PK.device.type == "cuda":
-        y = torch._grouped_mm(a_PK.bfloat16(), b_ENK.bfloat16().transpose(-2, -1), offs=offs_E, out_dtype=torch.float32)
+        y = torch._grouped_mm(a_PK.bfloat16(), b_ENK.bfloat16().transpose(-2, -1), offs=offs_E).float()
     else:
         y = torch._grouped_mm(a_PK, b_ENK.transpose(-2, -1), offs=offs_E)
     return _zero_tail(y, offs_E[-1])
@@ -104,7 +105,7 @@ def _gmm(a_PK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch
 def _gmm_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """fp32 per-group dy_e^T @ x_e: (P, N), (P, K) -> (E, N, K); empty groups give zeros."""
     if dy_PN.device.type == "cuda":
-        return torch._grouped_mm(dy_PN.bfloat16().t(), x_PK.bfloat16(), offs=offs_E, out_dtype=torch.float32)
+        return torch._grouped_mm(dy_PN.bfloat16().t(), x_PK.bfloat16(), offs=offs_E).float()
     return torch._grouped_mm(dy_PN.t(), x_PK, offs=offs_E)
 
 
