@@ -247,7 +247,7 @@ def row_wire_bytes(n_cols: int, dtype: torch.dtype, dispatch_dtype: str) -> int:
     """Bytes one dispatched row of ``n_cols`` elements puts on the wire: values (+ fp32 scales under "fp8")."""
     if dispatch_dtype == "fp8":
         return n_cols + 4 * -(-n_cols // FP8_DISPATCH_TILE[1])
-    return n_cols * torch.empty((), dtype=dtype).element_size()
+    return n_cols * dtype.itemsize
 
 
 # ----------------------------------------------------------------------------------------------------------------
