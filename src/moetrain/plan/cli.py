@@ -281,8 +281,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
              "message": r.message} for r in rows]}, args)
     if not args.json:
         report._console().print(report.validation_table(rows, summ))
-        if summ["mae_consistent_rows"] is not None:
+        if summ["mae_consistent_rows"] is not None and summ["mae_consistent_rows"] != summ["mae"]:
             print(f"MAE without source rows whose tok/s and TFLOP/s disagree: {summ['mae_consistent_rows']:.1%}")
+        for rel, b in summ["by_release"].items():
+            if b["mae"] is not None:
+                print(f"release {rel}: {b['predicted']} of {b['points']} points, MAE {b['mae']:.1%}, largest "
+                      f"{b['max_abs_error']:.1%}, mean signed {b['mean_signed_error']:+.1%}")
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")

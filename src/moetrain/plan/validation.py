@@ -15,6 +15,15 @@ Sources:
   (dispatcher ``moe_flex_dispatcher_backend`` / ``moe_token_dispatcher_type``, ``moe_a2a_overlap``,
   ``cuda_graph_impl`` / ``cuda_graph_scope``, ``recompute_modules``). Where the table's layout differs from the
   recipe file now in the repository, the recipe settings of the same GPU family are used and the point says so.
+* ``MB-26.06``: the same tables, section "26.06 NeMo Container" (``docs/performance-summary-archive.md``): the release
+  of the GB300 and GB200 records (docs/reference.md section 4). Its recipes are those of the repository at the
+  26.06 summary commits (8f341b04f "perf summary b300 26.06"): Qwen3 MXFP8 on GB300 / GB200 / B300 with
+  ``moe_a2a_overlap=True``, ``cuda_graph_impl="full_iteration"``, ``cutedsl_fused_grouped_mlp``,
+  ``fp8_dot_product_attention``; DeepSeek-V3 B300 V2 (MBS 2, PP8, EP8, hybridep, no overlap, TE graphs of attn /
+  router / preprocess, ``mla_up_proj``); Qwen3-30B-A3B H100 FP8-CS (EP16, hybridep, no overlap, no graphs). The
+  table's other MoE rows are not here: GPT-OSS (attention sinks, sliding windows: not in the accounting),
+  Nemotron 3 (hybrid Mamba), Kimi-K2 (its tokens/s and TFLOP/s imply 204.6 GFLOP/token, the Megatron FLOPs of the
+  Hugging Face Kimi-K2 config are 238.1: the benchmarked shape is not known).
 * ``ModelZoo``: NVIDIA's Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md``,
   "Performance Results", 256 H100, InfiniBand 8 x 50 GB/s): Megatron-Core runs with the DeepEP and the A2A
   dispatchers, with and without 1F1B EP overlap.
@@ -70,8 +79,16 @@ class Point:
     note: str = ""
     what_differs: tuple[str, ...] = field(default=())
     #: the source row's tokens/s and TFLOP/s disagree with the Megatron FLOPs of its model (kept in the set and in
-    #: the MAE; the report also gives the MAE without such rows)
+    #: the MAE; the report also gives the MAE without such rows). No row of the set is flagged at present.
     inconsistent: bool = False
+
+    @property
+    def release(self) -> str:
+        """Software release the figure was measured with: the NeMo container of a Megatron-Bridge table ("26.06",
+        "26.02", "25.11"), or "ModelZoo". The same configuration moves by tens of percent between releases
+        (docs/validation.md), so the report also gives the MAE per release."""
+        head = self.source.split()[0]
+        return head[3:] if head.startswith("MB-") else head
 
 
 _DS = "deepseek-v3-671b"
@@ -152,9 +169,9 @@ POINTS: tuple[Point, ...] = (
           Plan(pp=2, vpp=12, ep=8, micro_batch=1, global_batch=1024, precision="fp8", dispatcher="flex",
                ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Qwen3-30B H100"),
           118, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: hybridep, no a2a overlap (the table's EP8 "
-               "used, the recipe file says 16). The row's 2,557 tok/s x 23.0 GFLOP/token = 59 TFLOP/s, not 118 "
-               "(its other rows agree with 23.0): one of its two figures is off", ("small model",),
-          inconsistent=True),
+               "used, the recipe file says 16). The row is consistent: 5,113 tok/s x 23.0 GFLOP/token = 118 TFLOP/s "
+               "(an earlier revision of this file misread it as 2,557 tok/s and flagged it); the same layout "
+               "published 9,058 tok/s (208) in the 26.02.01 container", ("small model",)),
     # ---- Megatron-MoE-ModelZoo: dispatcher and overlap on one layout ---------------------------------------------
     Point("qwen3-235b-h100-deepep", "ModelZoo Qwen3 H100", _Q235, "h100", 256,
           Plan(tp=2, pp=8, vpp=4, ep=32, micro_batch=1, global_batch=2048, precision="bf16",
@@ -171,6 +188,51 @@ POINTS: tuple[Point, ...] = (
                recompute="selective", recompute_modules=("layernorm", "moe_act"), dispatcher="alltoall",
                ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Qwen3-235B H100 A2A"),
           200, "A2A dispatcher, intra-node EP8, PP32/VPP3", ("alltoall dispatcher", "PP32")),
+    # ---- 26.06 NeMo container: the release of the GB300 / GB200 records, its recipes ---------------------------
+    Point("dsv3-gb300-gbs15360", "MB-26.06 DGX-GB300", _DS, "gb300", 256,
+          Plan(pp=2, vpp=8, ep=32, micro_batch=1, global_batch=15360, precision="mxfp8", attn_precision="fp8",
+               recompute="none", ep_overlap=True, pp_layout=_LAYOUT, optimizer="bf16", dispatcher="flex",
+               cuda_graphs="full", name="DSv3 GB300 GBS15360"),
+          1670, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX (the record's) at GBS 15,360", ("batch size",)),
+    Point("dsv3-b300-2606", "MB-26.06 DGX-B300", _DS, "b300", 256,
+          Plan(pp=8, ep=8, micro_batch=2, global_batch=4096, precision="mxfp8", recompute="selective",
+               recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
+               optimizer="bf16", name="DSv3 B300 26.06"),
+          920, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2: MBS 2, PP8, EP8, hybridep, no a2a overlap, TE graphs of "
+               "attn / moe_router / moe_preprocess, mla_up_proj; stage split not published (balanced)",
+          ("HGX B300", "PP8 x EP8", "MBS 2")),
+    Point("qwen3-30b-gb300-2606", "MB-26.06 DGX-GB300", _Q30, "gb300", 8,
+          Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
+               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B GB300 26.06"),
+          1041, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB300_FP8_MX_V1: MBS 8, hybridep, a2a overlap, full-iteration "
+                "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
+    Point("qwen3-30b-gb200-2606", "MB-26.06 DGX-GB200", _Q30, "gb200", 8,
+          Plan(ep=8, micro_batch=4, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
+               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B GB200 26.06"),
+          936, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1: MBS 4, hybridep, a2a overlap, full-iteration "
+               "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
+    Point("qwen3-30b-b300-2606", "MB-26.06 DGX-B300", _Q30, "b300", 8,
+          Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
+               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B B300 26.06"),
+          938, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_B300_FP8_MX_V1: as GB300 (MBS 8), on one HGX B300 node",
+          ("HGX B300", "small model")),
+    Point("qwen3-30b-h100-2606", "MB-26.06 DGX-H100", _Q30, "h100", 16,
+          Plan(ep=16, micro_batch=1, global_batch=1024, precision="fp8", dispatcher="flex", ep_overlap=False,
+               cuda_graphs="none", optimizer="bf16", name="Qwen3-30B H100 26.06"),
+          203, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: EP16 over two nodes, hybridep, no a2a overlap, "
+               "no CUDA graphs", ("small model", "EP over InfiniBand")),
+    Point("qwen3-235b-gb300-2606", "MB-26.06 DGX-GB300", _Q235, "gb300", 256,
+          Plan(pp=4, vpp=12, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", attn_precision="fp8",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", optimizer="bf16",
+               name="Qwen3-235B GB300 26.06"),
+          1335, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2: PP4/VP12, hybridep, a2a overlap, "
+                "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
+    Point("qwen3-235b-gb200-2606", "MB-26.06 DGX-GB200", _Q235, "gb200", 256,
+          Plan(pp=8, vpp=3, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", attn_precision="fp8",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", optimizer="bf16",
+               name="Qwen3-235B GB200 26.06"),
+          1092, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: PP8/VP3, hybridep, a2a overlap, "
+                "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
 )
 
 
@@ -204,6 +266,19 @@ def run(points: tuple[Point, ...] = POINTS) -> list[Row]:
     return rows
 
 
+def by_release(rows: list[Row]) -> dict[str, dict[str, Any]]:
+    """Points, MAE and mean signed error per software release (:attr:`Point.release`), newest first."""
+    out: dict[str, dict[str, Any]] = {}
+    rels = {r.point.release for r in rows}
+    for rel in sorted((x for x in rels if x[:1].isdigit()), reverse=True) + sorted(x for x in rels if not x[:1].isdigit()):
+        errs = [r.error for r in rows if r.point.release == rel and r.error is not None]
+        out[rel] = {"points": sum(1 for r in rows if r.point.release == rel), "predicted": len(errs),
+                    "mae": sum(abs(e) for e in errs) / len(errs) if errs else None,
+                    "mean_signed_error": sum(errs) / len(errs) if errs else None,
+                    "max_abs_error": max(abs(e) for e in errs) if errs else None}
+    return out
+
+
 def summary(rows: list[Row]) -> dict[str, Any]:
     """Mean absolute error, largest error and the goal checks over the rows that have a prediction."""
     errs = [abs(r.error) for r in rows if r.error is not None]
@@ -212,6 +287,7 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     clean = [abs(r.error) for r in rows if r.error is not None and not r.point.inconsistent]
     return {"points": len(rows), "predicted": len(errs), "mae": mae, "max_abs_error": worst,
             "mae_consistent_rows": sum(clean) / len(clean) if clean else None,
+            "by_release": by_release(rows),
             "mean_signed_error": (sum(r.error for r in rows if r.error is not None) / len(errs)) if errs else None,
             "mae_goal": MAE_GOAL, "max_goal": MAX_GOAL,
             "goal_met": bool(errs) and len(errs) == len(rows) and mae <= MAE_GOAL and worst <= MAX_GOAL}
