@@ -87,6 +87,8 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ep", type=int, metavar="N", help=f"expert-parallel size (--set parallel.ep=N; default: the "
                     f"preset's ({eps}), lowered to the largest size that divides the processes and the experts; "
                     f"set, it must divide the processes)")
+    ap.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel stages (--set parallel.pp=N; default 1); "
+                    "the schedule is parallel.pp_schedule (1f1b, interleaved-1f1b with parallel.vpp, dualpipev, zbv)")
     ap.add_argument("--nproc", type=int, metavar="N", help="local worker processes (--set train.nproc=N; default "
                     f"{demo.train.nproc} = one per GPU, 2 on CPU)")
     ap.add_argument("--out", metavar="DIR", help=f"run directory (--set train.out_dir=\"DIR\"; default "
@@ -98,6 +100,10 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--init-from", metavar="HF_DIR", help="start from released weights: a HF checkpoint directory "
                     "(config.json + safetensors); its config.json gives the model unless --preset is given; "
                     "--set model.X=... still overrides fields (--set train.init_from=\"HF_DIR\"; default: none)")
+    ap.add_argument("--plan", metavar="FILE", help="run the plan of a `moetrain plan ... --json` output: its PP, VPP, "
+                    "EP, DP, schedule, layout, batch, sequence, recompute and routing (and, unless --nproc, its "
+                    "process count); a plan the trainer cannot run yet is refused with what is missing. --set and "
+                    "the other options still override it")
     ap.add_argument("--dry-run", action="store_true", help="all set-up (checks, data, mesh, meta build, parallelize, "
                     "materialise, --init-from), no step; print each rank's parameters, gradient and optimizer bytes, "
                     "measured peak memory and the performance model's prediction")
@@ -109,14 +115,22 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _sets_from_args(args: argparse.Namespace) -> list[str]:
-    sets = list(args.set)
+    sets = []
+    if getattr(args, "plan", None):
+        from moetrain.train.from_plan import plan_overrides, read_plan
+        plan_sets, world = plan_overrides(read_plan(args.plan))
+        sets += plan_sets
+        if getattr(args, "nproc", None) is None:
+            sets.append(f"train.nproc={world}")
+    sets += list(args.set)
     if args.preset:
         sets.append(f"model.preset={json.dumps(args.preset)}")
     if args.data:
         sets.append(f"data.paths={json.dumps(args.data)}")
     if args.tokenizer:
         sets.append(f"data.tokenizer={json.dumps(args.tokenizer)}")
-    for flag, key in (("steps", "train.steps"), ("ep", "parallel.ep"), ("nproc", "train.nproc")):
+    for flag, key in (("steps", "train.steps"), ("ep", "parallel.ep"), ("pp", "parallel.pp"),
+                      ("nproc", "train.nproc")):
         if getattr(args, flag, None) is not None:
             sets.append(f"{key}={getattr(args, flag)}")
     if getattr(args, "out", None):

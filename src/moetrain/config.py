@@ -191,7 +191,12 @@ def _resolve_vocab(model: ModelConfig, data: DataConfig, fixed_by: str | None) -
 
 def _resolve_ep(job: JobConfig, world: int, user_set: bool) -> None:
     """Fit parallel.ep to ``world`` (see the module docstring); a note says when an unset EP was lowered."""
-    ep, n_experts = job.parallel.ep, job.model.n_routed_experts
+    ep, n_experts, pp = job.parallel.ep, job.model.n_routed_experts, job.parallel.pp
+    if world % pp:
+        raise ConfigError(f"parallel.pp={pp} does not divide the {world} process(es) of this run; launch a multiple "
+                          f"of {pp} processes (--nproc) or change --pp")
+    if pp > 1:  # EP is carved out of one pipeline stage's ranks
+        world //= pp
     if user_set:
         if world % ep:
             ok = [d for d in range(1, world + 1) if world % d == 0 and n_experts % d == 0]

@@ -65,15 +65,17 @@ def _force_routing_to_first_experts(model, cfg) -> None:
 
 
 class _OneMoE(torch.nn.Module):
-    """One MoE layer as a model: parallelize() expects moe_layers(), layers and mtp."""
+    """One MoE layer as a model: parallelize() expects moe_layers() and blocks()."""
 
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         self.layer = layer
-        self.layers, self.mtp = torch.nn.ModuleList(), torch.nn.ModuleList()
 
     def moe_layers(self):
         return [self.layer]
+
+    def blocks(self):
+        return []
 
     def forward(self, x):
         return self.layer(x)

@@ -379,27 +379,40 @@ def _block_entries(block: nn.Module, hf: str, ours: str, E: int) -> tuple[list[_
     return entries, packed
 
 
+def _indexed(mods: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(global index, module) of a ModuleList, or of a pipeline stage's ModuleDict keyed by global index."""
+    if isinstance(mods, nn.ModuleDict):
+        return [(int(k), m) for k, m in mods.items()]
+    return list(enumerate(mods))
+
+
 def _entries(model: nn.Module) -> tuple[list[_Entry], list[_Packed]]:
-    """Every HF tensor of ``model`` in checkpoint order, plus the stacked-layout alternatives."""
+    """Every HF tensor of ``model`` in checkpoint order, plus the stacked-layout alternatives. ``model`` is a whole
+    Transformer or a pipeline stage (``moetrain.model.stage.TransformerStage``: only what it holds, layers under
+    their global indices; a last stage's embedding copy reads the main embedding)."""
     cfg: ModelConfig = model.cfg
-    out = [_Entry("model.embed_tokens.weight", "embed_tokens.weight", model.embed_tokens.weight)]
+    embed = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    out = [_Entry("model.embed_tokens.weight", "embed_tokens.weight", embed.weight)] if embed is not None else []
     packed: list[_Packed] = []
-    for i, block in enumerate(model.layers):
+    for i, block in _indexed(model.layers):
         e, p = _block_entries(block, f"model.layers.{i}.", f"layers.{i}.", cfg.n_routed_experts)
         out += e
         packed += p
-    out.append(_Entry("model.norm.weight", "norm.weight", model.norm.weight))
-    out.append(_Entry("lm_head.weight", "lm_head.weight", model.lm_head.weight, copy=cfg.tie_embeddings))
-    for k, mtp in enumerate(model.mtp):
+    if getattr(model, "norm", None) is not None:
+        out.append(_Entry("model.norm.weight", "norm.weight", model.norm.weight))
+    if head is not None:
+        out.append(_Entry("lm_head.weight", "lm_head.weight", head.weight, copy=cfg.tie_embeddings))
+    for k, mtp in _indexed(model.mtp):
         hf, ours = f"model.layers.{cfg.n_layers + k}.", f"mtp.{k}."
-        out.append(_Entry(hf + "embed_tokens.weight", "embed_tokens.weight", model.embed_tokens.weight, copy=True))
+        out.append(_Entry(hf + "embed_tokens.weight", "embed_tokens.weight", embed.weight, copy=True))
         for n in ("enorm", "hnorm", "eh_proj"):
             out.append(_Entry(hf + f"{n}.weight", ours + f"{n}.weight", getattr(mtp, n).weight))
         e, p = _block_entries(mtp.block, hf, ours + "block.", cfg.n_routed_experts)
         out += e
         packed += p
         out.append(_Entry(hf + "shared_head.norm.weight", ours + "norm.weight", mtp.norm.weight))
-        out.append(_Entry(hf + "shared_head.head.weight", "lm_head.weight", model.lm_head.weight, copy=True))
+        out.append(_Entry(hf + "shared_head.head.weight", "lm_head.weight", head.weight, copy=True))
     return out, packed
 
 

@@ -114,6 +114,24 @@ class ModelOutput:
         return total
 
 
+def ce_sum(lm_head: nn.Module, norm: nn.Module, h_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of head(norm(h)) against ``labels_BL``, summed over the labels != IGNORE_INDEX (fp32 scalar)."""
+    logits = lm_head(norm(h_BLD))
+    return F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def mtp_targets(emb_BLD: torch.Tensor, labels_BL: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of MTP depth k (1-based): the embedding of token i+k and the label of position i+k
+    (token i+k+1); the last k positions have no target (IGNORE_INDEX). Rolling keeps shapes static; causal attention
+    keeps the wrapped-around tail from influencing earlier positions."""
+    L = labels_BL.shape[1]
+    emb_k = torch.roll(emb_BLD, shifts=-k, dims=1)
+    labels_k = torch.roll(labels_BL, shifts=-k, dims=1)
+    labels_k[:, L - k:] = IGNORE_INDEX
+    return emb_k, labels_k
+
+
 class Transformer(nn.Module):
     """DeepSeek-V3-architecture causal LM with optional MTP modules.
 
@@ -146,10 +164,9 @@ class Transformer(nn.Module):
             self._rope_cache[key] = rope_cos_sin(self.cfg, L, device)
         return self._rope_cache[key]
 
-    def _ce_sum(self, h_BLD: torch.Tensor, norm: nn.Module, labels_BL: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(norm(h_BLD))
-        return F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    def blocks(self) -> list[Block]:
+        """Every transformer block (main layers, then MTP blocks)."""
+        return list(self.layers) + [m.block for m in self.mtp]
 
     # -- forward ---------------------------------------------------------------------------------------------
     def forward(self, tokens_BL: torch.Tensor, labels_BL: torch.Tensor | None = None,
@@ -177,20 +194,15 @@ class Transformer(nn.Module):
                 out.lm_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(),
                                                   ignore_index=IGNORE_INDEX, reduction="sum")
             else:
-                out.lm_loss_sum = self._ce_sum(h, self.norm, labels_BL)
+                out.lm_loss_sum = ce_sum(self.lm_head, self.norm, h, labels_BL)
             out.n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
             h_k = h
             for k, module in enumerate(self.mtp, start=1):
-                # Depth k sees the embedding of token i+k and predicts token i+k+1 (= labels[i+k]); the last k
-                # positions have no target. Rolling keeps shapes static; causal attention keeps the wrapped-around
-                # tail from influencing earlier positions.
-                emb_k = torch.roll(emb_BLD, shifts=-k, dims=1)
-                labels_k = torch.roll(labels_BL, shifts=-k, dims=1)
-                labels_k[:, L - k:] = IGNORE_INDEX
+                emb_k, labels_k = mtp_targets(emb_BLD, labels_BL, k)
                 h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
                 if s is not None:
                     stats.append(s)
-                out.mtp_loss_sums.append(self._ce_sum(h_k, module.norm, labels_k))
+                out.mtp_loss_sums.append(ce_sum(self.lm_head, module.norm, h_k, labels_k))
                 out.mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
         out.moe_stats = stats
         if stats:

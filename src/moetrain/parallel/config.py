@@ -8,19 +8,32 @@ from typing import Literal
 from moetrain.model.config import ConfigError
 
 DispatcherName = Literal["auto", "local", "alltoall"]
+#: Pipeline schedules of ``torch.distributed.pipelining`` the trainer runs, by their name in moetrain: "1f1b"
+#: (one stage per rank), "interleaved-1f1b" (``vpp`` stages per rank, looped), "dualpipev" and "zbv" (two stages per
+#: rank in a V: rank r holds stages r and 2 PP - 1 - r; backward split into input and weight parts).
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "dualpipev", "zbv")
+V_SCHEDULES = ("dualpipev", "zbv")
 
 
 @dataclass
 class ParallelConfig:
-    """World = DP x EP (room for PP and TP later).
+    """World = PP x DP x EP (room for TP later).
 
-    Every rank sees different data: EP is carved out of the data-parallel ranks, as in Megatron-Core and TorchTitan.
-    Routed experts are split over the EP group (E/EP experts per rank); every other weight is sharded with FSDP2
-    over all ranks; expert weights are sharded with FSDP2 over the DP ranks that hold the same experts.
+    A pipeline stage is DP x EP ranks; every rank of a stage sees different data (the ranks of one pipeline, one per
+    stage, see the same): EP is carved out of the stage's data-parallel ranks, as in Megatron-Core and TorchTitan.
+    Routed experts are split over the EP group (E/EP experts per rank); every other weight of a stage is sharded with
+    FSDP2 over the stage's ranks; expert weights are sharded with FSDP2 over the DP ranks that hold the same experts.
 
     Attributes:
-        ep: expert-parallel size; must divide the number of routed experts and the world size.
-        dp: data-parallel size; 0 = world // ep.
+        pp: pipeline stages (ranks per pipeline).
+        vpp: virtual stages (model chunks) per pipeline rank: > 1 needs "interleaved-1f1b"; the V schedules always
+            hold 2 (1 or 2 accepted).
+        pp_schedule: one of PP_SCHEDULES (ignored when pp == 1).
+        pp_layout: Megatron pipeline layout (``E`` embedding, ``t`` layer, ``m`` MTP module, ``L`` head + loss, ``|``
+            between virtual stages, ``*n`` repetition, e.g. "Ettt|tttmL"); None = layers split evenly, the
+            embedding first, MTP and head last.
+        ep: expert-parallel size; must divide the number of routed experts and DP x EP.
+        dp: data-parallel size; 0 = world // (pp * ep).
         dispatcher: "auto" (local when ep == 1, else alltoall), "local", or "alltoall".
         capacity_factor: None = dropless (default); else tokens beyond ceil(cf * T * K / E) per expert are dropped.
         drop_policy: "probs" drops the lowest gate weights first, "position" the latest tokens first.
@@ -39,6 +52,10 @@ class ParallelConfig:
         timeout_s: collective timeout; a hang ends with an error naming the phase.
     """
 
+    pp: int = 1
+    vpp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_layout: str | None = None
     ep: int = 1
     dp: int = 0
     dispatcher: DispatcherName = "auto"
@@ -53,6 +70,18 @@ class ParallelConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        for name in ("pp", "vpp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"parallel.{name}={v!r} must be an integer >= 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
+        if self.pp > 1 and self.vpp > 1 and self.pp_schedule == "1f1b":
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp_schedule='interleaved-1f1b' (1f1b holds "
+                              f"one stage per rank)")
+        if self.pp_schedule in V_SCHEDULES and self.vpp > 2:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} holds exactly 2 stages per rank; "
+                              f"parallel.vpp={self.vpp} (use 1 or 2)")
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ConfigError(f"parallel.ep={self.ep!r} must be an integer >= 1")
         if not isinstance(self.dp, int) or self.dp < 0:
@@ -74,25 +103,43 @@ class ParallelConfig:
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 
+    @property
+    def stages_per_rank(self) -> int:
+        """Model chunks each pipeline rank holds: 2 for the V schedules, vpp otherwise (1 without pipelining)."""
+        if self.pp == 1:
+            return 1
+        return 2 if self.pp_schedule in V_SCHEDULES else self.vpp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
     def resolve(self, world_size: int, n_routed_experts: int) -> "ParallelConfig":
         """Check the sizes against the world and the model; return a copy with dp filled in.
 
         Raises:
-            ConfigError: ep does not divide the experts or the world, or dp * ep != world.
+            ConfigError: pp does not divide the world, ep does not divide the experts or a stage's ranks, or
+                pp * dp * ep != world.
         """
+        if world_size % self.pp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp={self.pp}; launch a multiple "
+                              f"of {self.pp} processes (--nproc) or change pp")
+        stage = world_size // self.pp
         if n_routed_experts % self.ep:
-            ok = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0 and world_size % d == 0]
+            ok = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0 and stage % d == 0]
             raise ConfigError(f"parallel.ep={self.ep} must divide the number of routed experts ({n_routed_experts});"
-                              f" with world size {world_size} the allowed ep values are {ok}")
-        if world_size % self.ep:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.ep={self.ep}; launch a multiple "
-                              f"of {self.ep} processes or change ep")
+                              f" with {stage} ranks per pipeline stage the allowed ep values are {ok}")
+        if stage % self.ep:
+            raise ConfigError(f"{stage} ranks per pipeline stage (world {world_size} / pp {self.pp}) are not "
+                              f"divisible by parallel.ep={self.ep}; launch a multiple of pp x ep = "
+                              f"{self.pp * self.ep} processes or change ep")
         if self.dispatcher == "local" and self.ep > 1:
             raise ConfigError(f"parallel.dispatcher='local' cannot move tokens between parallel.ep={self.ep} ranks; "
                               f"use 'alltoall' or 'auto'")
-        dp = self.dp or world_size // self.ep
-        if dp * self.ep != world_size:
-            raise ConfigError(f"parallel.dp={dp} x parallel.ep={self.ep} = {dp * self.ep} != world size {world_size}")
+        dp = self.dp or stage // self.ep
+        if self.pp * dp * self.ep != world_size:
+            raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.ep={self.ep} = "
+                              f"{self.pp * dp * self.ep} != world size {world_size}")
         from dataclasses import replace
         return replace(self, dp=dp)
 

@@ -11,7 +11,8 @@ domain on a GPU cluster)::
     "dp"     a column  ranks holding the same experts: expert weights are FSDP-sharded over it
     "dp_ep"  dp x ep flattened: all ranks of a pipeline stage; every non-expert weight is FSDP-sharded over it and
              every rank reads different data
-    "pp"     pipeline stages (size 1 until the trainer pipelines; room is kept for tp/cp in the same way)
+    "pp"     one pipeline: the ranks of the same (dp, ep) coordinate in every stage; they send activations and
+             gradients to each other (point-to-point) and read the same data (room is kept for tp/cp likewise)
 
 Every group of every dimension carries ``parallel.timeout_s`` (``backend_override`` options): torch would otherwise
 give sub-groups its global default (30 minutes) while only the world group had the configured timeout.
@@ -88,6 +89,29 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return (self.rank // self.pcfg.ep) % self.pcfg.dp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage (DP x EP): the data-parallel world."""
+        return self.pcfg.dp * self.pcfg.ep
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.stage_size
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the stage's ranks: the ranks of one pipeline read the same data."""
+        return self.rank % self.stage_size
+
+    @property
+    def pp_group(self) -> Any:
+        return self.mesh["pp"].get_group() if self.mesh is not None else None
+
+    @property
+    def stage_group(self) -> Any:
+        """The process group of this rank's pipeline stage (dp x ep): global loss normalisers are summed over it."""
+        return self.flat_mesh.get_group() if self.flat_mesh is not None else None
 
     def _sub(self, *dims: str) -> DeviceMesh | None:
         return self.mesh[dims if len(dims) > 1 else dims[0]] if self.mesh is not None else None
@@ -179,7 +203,7 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    mesh, flat = build_mesh(dev.type, 1, pcfg.dp, pcfg.ep, pcfg.timeout_s)
+    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.dp, pcfg.ep, pcfg.timeout_s)
     return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
 
 
@@ -196,7 +220,7 @@ def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> Pa
     pcfg = pcfg.resolve(world, n_routed_experts)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh, flat = build_mesh("cpu", 1, pcfg.dp, pcfg.ep, None)
+    mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.dp, pcfg.ep, None)
     return ParallelContext(0, world, 0, torch.device("cpu"), pcfg, mesh, flat)
 
 

@@ -41,7 +41,8 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     """Apply expert parallelism, chunking, activation checkpointing and FSDP2 to ``model`` in place; returns it.
 
     Args:
-        model: on the meta device or materialised (identically on every rank).
+        model: a whole model or one pipeline stage (``moetrain.model.stage.TransformerStage``: FSDP2 then shards
+            over the stage's DP x EP ranks), on the meta device or materialised (identically on every rank).
         ctx: the parallel context.
         param_dtype: FSDP2 mixed precision (e.g. torch.bfloat16 on GPU): parameters are all-gathered and used in
             this dtype, gradients reduced in fp32; None keeps fp32 throughout (the CPU default).
@@ -69,7 +70,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         # 2. chunked overlap
         moe.n_chunks = pcfg.n_chunks
     # 3. activation checkpointing
-    blocks = list(model.layers) + [m.block for m in model.mtp]
+    blocks = model.blocks()
     for block in blocks:
         block.recompute = pcfg.activation_checkpointing
     # 4. FSDP2
@@ -78,13 +79,18 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
         dp = ctx.dp_mesh.size()
+        # Pipelined, a stage runs forward and backward of several micro-batches interleaved, and the zero-bubble
+        # schedules compute weight gradients after the input gradients: parameters stay gathered from the first
+        # forward to the end of the step (as TorchTitan does under PP), one all-gather per stage and step instead
+        # of one per micro-batch and pass.
+        keep = pcfg.pp > 1
         for moe in model.moe_layers():
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
-            fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1,
+            fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,
                         shard_placement_fn=lambda p: expert_shard_dim(p.shape, dp), **kw)
         for block in blocks:
-            fully_shard(block, mesh=ctx.fsdp_mesh, **kw)
-        fully_shard(model, mesh=ctx.fsdp_mesh, **kw)
+            fully_shard(block, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
+        fully_shard(model, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
         for mod in model.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
                 mod.set_gradient_divide_factor(1.0)

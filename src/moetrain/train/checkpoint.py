@@ -39,6 +39,7 @@ from moetrain.errors import CheckpointError
 from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
+from moetrain.parallel.parallelize import local_tensor
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -67,15 +68,38 @@ def _barrier(ctx: ParallelContext) -> None:
         dist.barrier()
 
 
-def _flat_state(model: Transformer, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP-ready flat dict of references to the live model and optimizer tensors (no copies), plus the optimizer
-    state dict it was built from (to write loaded values back)."""
-    flat: dict[str, Any] = {f"model.{fqn}": t for fqn, t in model.state_dict().items()}
-    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=False))
-    for fqn, st in osd["state"].items():
-        for key, val in st.items():
-            flat[f"optim.{fqn}.{key}"] = val
-    return flat, osd
+def _pairs(model: Any, optimizer: Any) -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    """(module, optimizer) of every model part: one pair for a whole model, one per pipeline stage otherwise."""
+    parts = getattr(model, "parts", None)
+    if parts is None:
+        return [(model, optimizer)]
+    opts = getattr(optimizer, "optimizers", [optimizer])
+    if len(opts) != len(parts):
+        raise ValueError(f"{len(parts)} model parts but {len(opts)} optimizers")
+    return list(zip(parts, opts))
+
+
+def _flat_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[tuple[Any, Any, dict[str, Any]]],
+                                                     list[tuple[str, Any]]]:
+    """DCP-ready flat dict of references to the live model and optimizer tensors (no copies), keyed by global
+    parameter names; the (part, optimizer, optimizer state dict) triples it was built from (to write loaded values
+    back); and the entries left out because another part of this rank has the same key (the last stage's embedding
+    copy on the first stage's rank): they are saved once and loaded by copy."""
+    flat: dict[str, Any] = {}
+    built, dups = [], []
+    for part, opt in _pairs(model, optimizer):
+        local = {f"model.{fqn}": t for fqn, t in part.state_dict().items()}
+        osd = get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=False))
+        for fqn, st in osd["state"].items():
+            for key, val in st.items():
+                local[f"optim.{fqn}.{key}"] = val
+        for k, v in local.items():
+            if k in flat:
+                dups.append((k, v))
+            else:
+                flat[k] = v
+        built.append((part, opt, osd))
+    return flat, built, dups
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
@@ -95,7 +119,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
         for stale in [*root.glob(".tmp-step_*"), *root.glob(".trash-*")]:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(ctx)
-    flat, _ = _flat_state(model, optimizer)
+    flat, _, _ = _flat_state(model, optimizer)
     try:
         dcp.save(flat, checkpoint_id=str(tmp))
         _barrier(ctx)
@@ -215,8 +239,9 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise CheckpointError(f"{path} is incomplete (no COMPLETE marker); refusing to load it")
-    _init_optimizer_state(model, optimizer)
-    flat, osd = _flat_state(model, optimizer)
+    for part, opt in _pairs(model, optimizer):
+        _init_optimizer_state(part, opt)
+    flat, built, dups = _flat_state(model, optimizer)
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
               and _EXPERT_KEY.search(k)}
@@ -226,13 +251,19 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
     if legacy:
         _load_legacy_experts(path, legacy, stored)
     with torch.no_grad():
-        for fqn, st in osd["state"].items():
-            for key in st:
-                k = f"optim.{fqn}.{key}"
-                if not isinstance(st[key], torch.Tensor) or k in renamed:
-                    # DCP loads tensors in place but replaces non-tensor values in the dict it is given
-                    st[key] = to_load[renamed.get(k, k)]
-    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(flatten_optimizer_state_dict=False))
+        loaded = {k: (legacy[k] if k in legacy else to_load[renamed.get(k, k)]) for k in flat}
+        for k, t in dups:
+            if isinstance(t, torch.Tensor):
+                local_tensor(t).copy_(local_tensor(loaded[k]))
+        for part, opt, osd in built:
+            for fqn, st in osd["state"].items():
+                for key in st:
+                    k = f"optim.{fqn}.{key}"
+                    if not isinstance(st[key], torch.Tensor) or k in renamed:
+                        # DCP loads tensors in place but replaces non-tensor values in the dict it is given
+                        st[key] = loaded[k]
+            set_optimizer_state_dict(part, opt, osd,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=False))
     state = read_trainer_state(path)
     torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     return state

@@ -75,7 +75,8 @@ def predicted_memory(job: JobConfig, world: int, device_type: str) -> dict[str, 
     precision = "bf16" if device_type == "cuda" and job.train.dtype != "fp32" else "fp32"
     plan = local_plan(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum, world=world,
                       ep=job.parallel.ep, activation_checkpointing=job.parallel.activation_checkpointing,
-                      precision=precision)
+                      precision=precision, pp=job.parallel.pp, vpp=job.parallel.vpp,
+                      schedule=job.parallel.pp_schedule, pp_layout=job.parallel.pp_layout)
     try:
         pred = predict(job.model, "H100", world, plan, _ignore_memory=True)
     except Exception as e:  # noqa: BLE001 - the report says why instead of failing the dry run

@@ -59,3 +59,34 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+class OptimizerGroup:
+    """One optimizer per model part (pipeline stage), stepped together: the optimizer state dict of each is built
+    against its own part (``torch.distributed.checkpoint.state_dict`` maps parameters to names per module), as
+    TorchTitan's optimizer container does. ``param_groups`` lists every part's groups (learning-rate updates)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizers(parts: list[nn.Module], lr: float, weight_decay: float = 0.1,
+                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> OptimizerGroup:
+    """:func:`build_optimizer` for each part."""
+    return OptimizerGroup([build_optimizer(p, lr, weight_decay, betas, eps) for p in parts])

@@ -1,24 +1,33 @@
-"""One optimizer step over a list of micro-batches: global loss normalisation, gradient clipping, bias update.
+"""One optimizer step over a list of micro-batches, pipelined or not: global loss normalisation, the balance loss in
+each stage's backward, embedding-gradient sum, gradient clipping, bias update.
 
-Normalisation (so results do not depend on how a global batch is split over ranks and micro-batches):
+Normalisation (so results do not depend on how a global batch is split over ranks, stages and micro-batches):
     loss = sum(CE) / N_tokens_global
          + lambda / D * sum_k sum(CE_k) / N_k_global              (MTP depths k = 1..D)
          + alpha * sum(balance loss per sequence) / N_sequences_global
-Every rank back-propagates its own share of that one scalar; FSDP sums gradients (divide factor 1), so the
-summed gradient is exactly the gradient of the global loss. The normalisers are all-reduced once per step, before
-the first forward.
+The normalisers are summed over the ranks of a pipeline stage (DP x EP: each reads different data; the stages of
+one pipeline read the same) once per step, before the first forward. The last stage returns the CE sums, which
+:class:`Objective` divides; each MoE layer's balance term enters the backward of its own stage with weight
+alpha / N_sequences (``moetrain.model.stage.AttachLoss``). FSDP sums gradients (divide factor 1), so the summed
+gradient is exactly the gradient of the global loss.
+
+Without pipelining the micro-batches run one after the other on the one stage (the whole model); with it,
+``torch.distributed.pipelining``'s schedule runs them (``moetrain.parallel.pipeline``).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from moetrain.model.config import ModelConfig
+from moetrain.model.moe import MoE
+from moetrain.model.stage import StageStats, TransformerStage
 from moetrain.model.transformer import IGNORE_INDEX, Transformer
 from moetrain.parallel.comm import name_collective_error, named_phase
 from moetrain.parallel.mesh import ParallelContext
@@ -32,7 +41,9 @@ class StepResult:
     loss: total objective; lm_loss / mtp_loss / balance_loss: its terms (mtp_loss is the mean over depths before
     lambda, balance_loss before alpha); grad_norm: before clipping; tokens_per_expert_ME: (M, E) loads summed over
     all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: token-expert assignments dropped by the
-    capacity limit, summed over micro-batches and ranks."""
+    capacity limit, summed over micro-batches and ranks; pipeline_s: seconds in the pipeline schedule and
+    bubble_s: the part of them this rank spent not computing (waiting for and sending to neighbouring stages; 0
+    without pipelining)."""
 
     loss: float
     lm_loss: float
@@ -43,46 +54,172 @@ class StepResult:
     n_tokens: int
     n_sequences: int
     dropped_tokens: int = 0
+    pipeline_s: float = 0.0
+    bubble_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
-def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str) -> torch.Tensor:
+class Objective:
+    """The loss function of the last stage: divides its loss sums (1 + D,) by this step's global counts and keeps
+    the terms for the metrics. Called once per micro-batch (by the pipeline schedule, or the step loop)."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.depth = cfg.mtp_depth
+        self.start(torch.ones(()), torch.ones(cfg.mtp_depth))
+
+    def start(self, n_tok: torch.Tensor, n_mtp: torch.Tensor) -> None:
+        """Begin a step (or an evaluation) with its global counts: the terms start again from zero."""
+        self.n_tok, self.n_mtp = n_tok, n_mtp
+        zero = torch.zeros((), dtype=torch.float64, device=n_tok.device)
+        self.lm, self.mtp, self.lm_sum = zero, zero.clone(), zero.clone()
+
+    def __call__(self, sums_S: torch.Tensor, _target: Any = None) -> torch.Tensor:
+        lm = sums_S[0] / self.n_tok.to(sums_S)
+        loss = lm
+        self.lm = self.lm + lm.detach().double()
+        self.lm_sum = self.lm_sum + sums_S[0].detach().double()
+        if self.depth:
+            mtp = (sums_S[1:] / self.n_mtp.to(sums_S)).sum() / self.depth
+            loss = loss + self.cfg.mtp_loss_weight * mtp
+            self.mtp = self.mtp + mtp.detach().double()
+        return loss
+
+
+@dataclass
+class ModelParts:
+    """What a rank trains: its pipeline stages (one: the whole model, without pipelining) and, when pipelined, the
+    schedule that drives them.
+
+    Attributes:
+        parts: this rank's :class:`~moetrain.model.stage.TransformerStage` modules (or, for single-device callers,
+            one plain :class:`~moetrain.model.transformer.Transformer`).
+        schedule: the ``torch.distributed.pipelining`` schedule, or None (no pipelining).
+        pipeline_stages: the schedule's ``PipelineStage`` objects (their ``compute_s`` times the bubble).
+        objective: the loss function the schedule calls.
+        embedding_group: process group summing the embedding gradients of first and last stage (or None).
+        embedding_sync: whether the model has an embedding copy to sum at all.
+    """
+
+    parts: list[Any]
+    schedule: Any = None
+    pipeline_stages: list[Any] = field(default_factory=list)
+    objective: Objective | None = None
+    embedding_group: Any = None
+    embedding_sync: bool = False
+
+    @property
+    def first(self) -> bool:
+        return any(getattr(p, "spec", None) is None or p.spec.embed for p in self.parts)
+
+    @property
+    def last(self) -> bool:
+        return any(getattr(p, "spec", None) is None or p.spec.head for p in self.parts)
+
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        """(global MoE index, layer) of every MoE layer on this rank."""
+        out = []
+        for p in self.parts:
+            idx = p.moe_indices() if isinstance(p, TransformerStage) else range(len(p.moe_layers()))
+            out += list(zip(idx, p.moe_layers()))
+        return out
+
+    def parameters(self, counted_once: bool = False) -> list[torch.nn.Parameter]:
+        """Every parameter of the rank's parts; ``counted_once`` leaves out the last stage's embedding copy."""
+        from moetrain.parallel.pipeline import is_duplicate
+        out = []
+        for p in self.parts:
+            for name, t in p.named_parameters():
+                if counted_once and isinstance(p, TransformerStage) and is_duplicate(p, name):
+                    continue
+                out.append(t)
+        return out
+
+    def train(self, mode: bool = True) -> None:
+        for p in self.parts:
+            p.train(mode)
+
+
+def as_parts(model: Any) -> ModelParts:
+    return model if isinstance(model, ModelParts) else ModelParts([model])
+
+
+def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
     if ctx.distributed:
         try:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=group)
         except RuntimeError as e:
             raise name_collective_error(phase, e) from e
     return t
 
 
-def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext) -> float:
-    """Global L2 norm of all gradients (FSDP shards and expert slices included) and in-place clipping.
+def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext,
+                       also_clip: Iterable[torch.nn.Parameter] = ()) -> float:
+    """Global L2 norm of all gradients (FSDP shards, expert slices and every pipeline stage included) and in-place
+    clipping.
 
-    Every parameter is sharded or sliced without replication (FSDP over all ranks, experts FSDP over DP and sliced
-    over EP), so the sum of local squared norms over all ranks is the squared global norm.
+    Every parameter is sharded or sliced without replication (FSDP over a stage's ranks, experts FSDP over DP and
+    sliced over EP, stages disjoint; the last stage's embedding copy is left out by the caller), so the sum of local
+    squared norms over all ranks is the squared global norm. A rank whose stage has no gradient (no MoE layer, or no
+    parameter at all) adds zero. ``also_clip``: gradients scaled with the others but not counted (copies of a
+    counted weight, such as the last stage's embedding).
     """
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     device = grads[0].device if grads else ctx.device
+    extra = [local_tensor(p.grad) for p in also_clip if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float32, device=device)
     if grads:
         # Multi-tensor kernels: no full-size fp32 temporary per parameter (squaring tiny gradients elementwise
         # also produced subnormal floats, which run up to 10x slower on x86).
         sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
     total = math.sqrt(float(_all_reduce(sq, ctx, "gradient-norm all-reduce")))
-    if max_norm > 0 and total > max_norm and grads:
-        torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+    if max_norm > 0 and total > max_norm and grads + extra:
+        torch._foreach_mul_(grads + extra, max_norm / (total + 1e-6))
     return total
 
 
-def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
+def update_expert_biases(layers: list[tuple[int, MoE]], tokens_per_expert_ME: torch.Tensor, rate: float) -> None:
+    """bias_e += rate * sign(mean(load) - load_e) for every MoE layer (DeepSeek-V3 report, sec. 2.1.2), with the
+    loads of each layer's global MoE index (summed over all micro-batches and ranks, so every rank of a stage
+    applies the same update)."""
+    if rate == 0:
+        return
+    with torch.no_grad():
+        load = tokens_per_expert_ME.float()
+        delta = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
+        for m, moe in layers:
+            moe.gate.expert_bias.add_(delta[m].to(moe.gate.expert_bias.device))
+
+
+def _forward_sums(part: Any, x: torch.Tensor, y: torch.Tensor, balance_scale: float) -> torch.Tensor:
+    """Loss sums (1 + D,) of one micro-batch through a whole model: a TransformerStage, or a plain Transformer (its
+    ModelOutput turned into the same sums, statistics and balance term)."""
+    if isinstance(part, TransformerStage):
+        return part(x, y)
+    out = part(x, y)
+    sums = torch.stack([out.lm_loss_sum, *out.mtp_loss_sums])
+    for m, s in enumerate(out.moe_stats):
+        part._step_stats.add(m, s)
+    if out.balance_loss_sum is not None and balance_scale:
+        from moetrain.model.stage import AttachLoss
+        sums = AttachLoss.apply(sums, out.balance_loss_sum * balance_scale)
+    return sums
+
+
+def _stats(part: Any) -> StageStats:
+    return part.stats if isinstance(part, TransformerStage) else part._step_stats
+
+
+def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: torch.optim.Optimizer,
                micro_batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig, ctx: ParallelContext,
                max_grad_norm: float = 1.0, autocast_dtype: torch.dtype | None = None,
                bias_update_rate: float | None = None) -> StepResult:
     """Forward/backward every micro-batch, then clip, step the optimizer and update the expert biases.
 
     Args:
-        model: the (possibly parallelized) model, in train mode.
-        micro_batches: this rank's (inputs_BL, labels_BL) int64 pairs for this step, on ctx.device.
+        model: this rank's :class:`ModelParts` (or one whole, possibly parallelized model), in train mode.
+        micro_batches: this rank's (inputs_BL, labels_BL) int64 pairs for this step, on ctx.device; the ranks of
+            one pipeline get the same ones.
         cfg: model config (loss weights, MTP depth).
         ctx: parallel context (single process when not distributed).
         max_grad_norm: clip threshold (<= 0 disables clipping; the norm is still measured).
@@ -92,49 +229,79 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer,
     Raises:
         CollectiveError: a collective (dispatch, combine, gradient sync ...) failed or timed out; names the phase.
     """
+    mp = as_parts(model)
     device = ctx.device
-    depth = len(model.mtp) if hasattr(model, "mtp") else 0
+    depth = cfg.mtp_depth
     # Global normalisers: [loss tokens, MTP tokens per depth..., sequences].
     counts = [sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)]
     for k in range(1, depth + 1):
         counts.append(sum(int((y[:, k:] != IGNORE_INDEX).sum()) for _, y in micro_batches))
     counts.append(sum(int(x.shape[0]) for x, _ in micro_batches))
-    norm = _all_reduce(torch.tensor(counts, dtype=torch.float64, device=device), ctx, "loss-normaliser all-reduce")
+    norm = _all_reduce(torch.tensor(counts, dtype=torch.float64, device=device), ctx, "loss-normaliser all-reduce",
+                       ctx.stage_group)
     n_tok, n_mtp, n_seq = norm[0].clamp(min=1), norm[1:1 + depth].clamp(min=1), norm[-1].clamp(min=1)
+    balance_scale = cfg.balance_loss_alpha / float(n_seq) if cfg.balance_loss_alpha > 0 else 0.0
 
-    moe_layers = model.moe_layers()
-    loads = torch.zeros(len(moe_layers), cfg.n_routed_experts, dtype=torch.int64, device=device)
-    terms = torch.zeros(3, dtype=torch.float64, device=device)  # lm, mtp (mean over depths), balance
-    dropped = torch.zeros(1, dtype=torch.float64, device=device)
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        if ctx.distributed and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
-        with named_phase("forward (FSDP parameter all-gather or expert dispatch)", ctx.distributed), \
-                torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = model(x, y)
-        lm = out.lm_loss_sum / n_tok
-        mtp = sum((s / n for s, n in zip(out.mtp_loss_sums, n_mtp)), torch.zeros((), device=device)) / max(depth, 1)
-        bal = (out.balance_loss_sum if out.balance_loss_sum is not None else torch.zeros((), device=device)) / n_seq
-        loss = lm + cfg.mtp_loss_weight * mtp + cfg.balance_loss_alpha * bal
-        with named_phase("backward / gradient sync", ctx.distributed):
-            loss.float().backward()
-        terms += torch.stack([lm.detach(), mtp.detach(), bal.detach()]).double()
-        if out.moe_stats:
-            loads += torch.stack([s.tokens_per_expert_E for s in out.moe_stats])
-            dropped += sum(s.dropped for s in out.moe_stats)
+    objective = mp.objective or Objective(cfg)
+    objective.start(n_tok, n_mtp)
+    for p in mp.parts:
+        if isinstance(p, TransformerStage):
+            p.stats, p.balance_scale = StageStats(), balance_scale
+        else:
+            p._step_stats = StageStats()
+    amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    pipeline_s = bubble_s = 0.0
+    if mp.schedule is None:
+        part = mp.parts[0]
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            if ctx.distributed and hasattr(part, "set_requires_gradient_sync"):
+                part.set_requires_gradient_sync(last)
+            with named_phase("forward (FSDP parameter all-gather or expert dispatch)", ctx.distributed), amp:
+                loss = objective(_forward_sums(part, x, y, balance_scale))
+            with named_phase("backward / gradient sync", ctx.distributed):
+                loss.float().backward()
+    else:
+        x = torch.cat([b[0] for b in micro_batches])
+        y = torch.cat([b[1] for b in micro_batches])
+        args = (x, y) if mp.first else ()
+        kwargs = {"target": y} if mp.last else {}
+        for s in mp.pipeline_stages:
+            s.compute_s = 0.0
+        t0 = time.perf_counter()
+        with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
+            mp.schedule.step(*args, return_outputs=False, **kwargs)
+        pipeline_s = time.perf_counter() - t0
+        bubble_s = max(0.0, pipeline_s - sum(s.compute_s for s in mp.pipeline_stages))
+    with named_phase("embedding gradient sum (first and last stage)", ctx.distributed):
+        from moetrain.parallel.pipeline import sync_embedding_grads
+        sync_embedding_grads([p for p in mp.parts if isinstance(p, TransformerStage)], mp.embedding_group,
+                             mp.embedding_sync)
 
-    packed = _all_reduce(torch.cat([terms, loads.flatten().double(), dropped]), ctx, "metrics all-reduce")
+    layers = mp.moe_layers()
+    loads = torch.zeros(cfg.n_moe_layers + depth, cfg.n_routed_experts, dtype=torch.float64, device=device)
+    bal = torch.zeros((), dtype=torch.float64, device=device)
+    dropped = torch.zeros((), dtype=torch.float64, device=device)
+    for p in mp.parts:
+        st = _stats(p)
+        for m, c in st.loads.items():
+            loads[m] += c.to(device).double()
+        if st.balance_sum is not None:
+            bal += st.balance_sum.to(device)
+            dropped += st.dropped.to(device)
+    terms = torch.stack([objective.lm.to(device), objective.mtp.to(device), bal / n_seq])
+    packed = _all_reduce(torch.cat([terms, loads.flatten(), dropped.view(1)]), ctx, "metrics all-reduce")
     terms = packed[:3]
-    loads = packed[3:3 + loads.numel()].round().long().view_as(loads)
-    gnorm = grad_norm_and_clip(model.parameters(), max_grad_norm, ctx)
+    loads_ME = packed[3:3 + loads.numel()].round().long().view_as(loads)
+    once = mp.parameters(counted_once=True)
+    ids = {id(p) for p in once}
+    gnorm = grad_norm_and_clip(once, max_grad_norm, ctx, [p for p in mp.parameters() if id(p) not in ids])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     rate = cfg.bias_update_rate if bias_update_rate is None else bias_update_rate
-    if moe_layers:
-        model.update_expert_biases(loads, rate)
+    update_expert_biases(layers, loads_ME, rate)
     lm_v, mtp_v, bal_v = (float(v) for v in terms)
     total = lm_v + cfg.mtp_loss_weight * mtp_v + cfg.balance_loss_alpha * bal_v
     return StepResult(loss=total, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v, grad_norm=gnorm,
-                      tokens_per_expert_ME=loads.cpu(), n_tokens=int(norm[0]), n_sequences=int(norm[-1]),
-                      dropped_tokens=int(packed[-1]))
+                      tokens_per_expert_ME=loads_ME.cpu(), n_tokens=int(norm[0]), n_sequences=int(norm[-1]),
+                      dropped_tokens=int(packed[-1]), pipeline_s=pipeline_s, bubble_s=bubble_s)

@@ -29,10 +29,10 @@ from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint,
                                        save_checkpoint)
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
-from moetrain.train.optim import build_optimizer, lr_at, set_lr
+from moetrain.train.optim import build_optimizers, lr_at, set_lr
 from moetrain.train.resume import data_fingerprint
 from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure, resume_command, stop_line
-from moetrain.train.step import train_step
+from moetrain.train.step import ModelParts, Objective, train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -74,21 +74,41 @@ def keep_tokenizer(prep: PreparedData, out_dir: str) -> Path:
     return dst
 
 
-def evaluate(model: Transformer, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
+def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
              amp: torch.dtype | None) -> float:
-    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean)."""
-    model.eval()
+    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean).
+
+    Pipelined, the validation micro-batches run through the schedule's forward in groups of ``train.grad_accum``
+    (the last group padded with sequences whose labels are all ignored) and only the last stage counts."""
+    from moetrain.model.transformer import IGNORE_INDEX
+
+    model.train(False)
     total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-    with torch.no_grad():
-        for x, y in iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size,
-                                      ctx.rank, ctx.world_size, job.train.eval_batches):
-            with named_phase("evaluation forward", ctx.distributed), \
-                    torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
-                out = model(x.to(ctx.device), y.to(ctx.device))
-            total += torch.stack([out.lm_loss_sum.double(), out.n_loss_tokens.double()])
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
+               iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size, ctx.data_rank,
+                                 ctx.stage_size, job.train.eval_batches)]
+    with torch.no_grad(), named_phase("evaluation forward", ctx.distributed), \
+            torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
+        if model.schedule is None:
+            for x, y in batches:
+                out = model.parts[0](x, y)
+                total += torch.stack([out.lm_loss_sum.double(), out.n_loss_tokens.double()])
+        else:
+            n = job.train.grad_accum
+            while len(batches) % n:
+                x, y = batches[-1]
+                batches.append((torch.zeros_like(x), torch.full_like(y, IGNORE_INDEX)))
+            obj = model.objective
+            for g in range(0, len(batches), n):
+                x = torch.cat([b[0] for b in batches[g:g + n]])
+                y = torch.cat([b[1] for b in batches[g:g + n]])
+                obj.start(torch.ones((), device=ctx.device), torch.ones(job.model.mtp_depth, device=ctx.device))
+                model.schedule.eval(*((x, y) if model.first else ()), **({"target": y} if model.last else {}))
+                if model.last:
+                    total += torch.stack([obj.lm_sum, (y != IGNORE_INDEX).sum().double()])
     if ctx.distributed:
         dist.all_reduce(total)
-    model.train()
+    model.train(True)
     return float(total[0] / total[1].clamp(min=1))
 
 
@@ -122,17 +142,65 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
         stop.uninstall()
 
 
+def _apply_precision(model: Transformer, job: JobConfig) -> None:
+    """FP8 GEMMs (``train.fp8``) swapped in on the single-device (meta) model, before it is parallelized."""
+    recipe = getattr(job.train, "fp8", "none")
+    if recipe != "none":
+        from moetrain.precision import apply_fp8
+        apply_fp8(model, recipe)
+
+
 def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
                         init_from: str | None = None) -> Transformer:
     """The model of ``job`` on ``ctx``'s layout at any size: built on the meta device, parallelized, then only this
     rank's shards are allocated and initialised (name-seeded, so the weights equal a single process's), and, with
     ``init_from`` (a HF checkpoint directory), overwritten from it, each rank reading only its own boxes."""
     model = build_model(job.model, device="meta")
+    _apply_precision(model, job)
     parallelize(model, ctx, param_dtype=amp if ctx.device.type == "cuda" else None)
     materialize(model, ctx, seed=job.train.seed)
     if init_from:
         load_hf_checkpoint(model, init_from, mtp_optional=True)
     return model
+
+
+def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
+                      init_from: str | None = None) -> ModelParts:
+    """What this rank trains. Without pipelining: the whole model (:func:`build_sharded_model`). With
+    ``parallel.pp > 1``: the model is built on meta and split into this rank's stages
+    (``moetrain.parallel.pipeline``), each parallelized, materialised and initialised by name like a whole model,
+    then driven by the configured ``torch.distributed.pipelining`` schedule.
+
+    Raises:
+        ConfigError: a layout or schedule that does not fit the model, or an ``init_from`` checkpoint without a
+            stage's tensors.
+    """
+    from moetrain.model.config import ConfigError
+    from moetrain.parallel.pipeline import build_schedule, build_stages, embedding_groups
+
+    pcfg = ctx.pcfg
+    if pcfg.pp == 1:
+        return ModelParts([build_sharded_model(job, ctx, amp, init_from)])
+    model = build_model(job.model, device="meta")
+    _apply_precision(model, job)
+    parts = build_stages(model, pcfg, ctx.pp_rank)
+    param_dtype = amp if ctx.device.type == "cuda" else None
+    for part in parts:
+        part.act_dtype = param_dtype or torch.float32
+        parallelize(part, ctx, param_dtype=param_dtype)
+        materialize(part, ctx, seed=job.train.seed)
+        if init_from:
+            # the checkpoint holds every stage: this stage reads its own tensors (and boxes), and must find them all
+            res = load_hf_checkpoint(part, init_from, strict=False, mtp_optional=True)
+            if res.missing:
+                raise ConfigError(f"{init_from} lacks {len(res.missing)} tensor(s) of pipeline stage "
+                                  f"{part.spec.index}, e.g. {res.missing[:3]}")
+    objective = Objective(job.model)
+    schedule, stages = build_schedule(parts, ctx, job.train.grad_accum, job.train.micro_batch_size,
+                                      job.data.seq_len, objective)
+    sync = job.model.mtp_depth > 0
+    group = embedding_groups(ctx) if sync else None
+    return ModelParts(parts, schedule, stages, objective, group, sync)
 
 
 def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool, stop: StopRequest,
@@ -145,12 +213,13 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     # A resumed checkpoint supersedes the initial weights, so they are not read at all then.
     resume_from = resume_checkpoint(tc.out_dir)[0] if tc.resume else None
     resuming = resume_from is not None
-    model = build_sharded_model(job, ctx, amp, init_from=None if resuming else tc.init_from)
-    optimizer = build_optimizer(model, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    model = build_model_parts(job, ctx, amp, init_from=None if resuming else tc.init_from)
+    optimizer = build_optimizers(model.parts, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
     if dry_run:
         from moetrain.train.dryrun import report_dry_run
-        return report_dry_run(job, ctx, model)
-    loader = TokenLoader(prep.train_path, job.data.seq_len, tc.micro_batch_size, ctx.rank, ctx.world_size,
+        return report_dry_run(job, ctx, model.parts[0] if len(model.parts) == 1 else torch.nn.ModuleList(model.parts))
+    # The ranks of one pipeline (one per stage) read the same data; the stage's DP x EP ranks read different data.
+    loader = TokenLoader(prep.train_path, job.data.seq_len, tc.micro_batch_size, ctx.data_rank, ctx.stage_size,
                          seed=job.data.seed)
     start_step, last_ckpt = 0, None
     if tc.resume:
@@ -171,15 +240,17 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
 
     fpt = flops_per_token(cfg, job.data.seq_len)
     peak_tflops, peak_label = device_peak(ctx.device, amp)
-    tokens_per_step = tc.micro_batch_size * tc.grad_accum * ctx.world_size * job.data.seq_len
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum * ctx.stage_size * job.data.seq_len
+    pcfg = ctx.pcfg
+    pipe = (f"PP={pcfg.pp} ({pcfg.pp_schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
     if sink:
-        sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | DP={ctx.pcfg.dp} EP={ctx.pcfg.ep} "
+        sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | {pipe}DP={ctx.pcfg.dp} EP={ctx.pcfg.ep} "
                    f"dispatcher={ctx.pcfg.dispatcher_kind} | model {job.preset}: "
                    f"{local_numel(model):,} params on rank 0 | {tokens_per_step:,} tokens/step "
                    f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak_tflops:.3f} TFLOP/s "
                    f"({peak_label})")
         sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": ctx.pcfg.dp,
-                    "ep": ctx.pcfg.ep, "dispatcher": ctx.pcfg.dispatcher_kind, "preset": job.preset,
+                    "ep": ctx.pcfg.ep, "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.pp_schedule, "dispatcher": ctx.pcfg.dispatcher_kind, "preset": job.preset,
                     "flops_per_token_megatron": fpt.megatron, "flops_per_token_6n": fpt.six_n,
                     "peak_tflops": peak_tflops, "peak_label": peak_label, "config": job.to_dict()})
 
@@ -191,11 +262,14 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
             sink.write({"kind": "val", "step": 0, "val_loss": v})
             sink.print(f"step {0:>5} | val loss {v:.4f}")
 
-    moe_layers = model.moe_layers()
+    moe_layers = [m for _, m in model.moe_layers()]
     fingerprint = data_fingerprint(prep)
     if sink:
         sink.start_progress(tc.steps, start_step)
     window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
+    window_bubble = 0.0
+    from moetrain.parallel.pipeline import bubble_formula
+    bubble_expected = bubble_formula(pcfg, tc.grad_accum)
     result = None
     stopped: dict[str, Any] | None = None
     for step in range(start_step, tc.steps):
@@ -213,6 +287,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
             raise NonFiniteLossError(f"loss became {result.loss} at step {step + 1}; {fix}")
         window_tokens += tokens_per_step
         window_steps += 1
+        window_bubble += result.bubble_s
         done = step + 1
         if sink:
             sink.advance(f"loss {result.loss:.3f}")
@@ -234,6 +309,9 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                    "a2a_share_of_step": exposed / dt if dt > 0 else 0.0,
                    "a2a_s_per_layer": [m.dispatcher.stats.a2a_seconds / window_steps for m in moe_layers],
                    "a2a_exposed_s_per_layer": [m.dispatcher.stats.exposed_seconds / window_steps for m in moe_layers],
+                   "pp_bubble_s_per_step": window_bubble / window_steps,
+                   "pp_bubble_share": window_bubble / dt if dt > 0 else 0.0,
+                   "pp_bubble_formula": bubble_expected,
                    "load_imbalance_max": max(imb) if imb else 1.0, "load_imbalance": imb,
                    "dropped_tokens": result.dropped_tokens, "peak_mem_gb": peak_memory_gb(ctx.device),
                    "expert_load": result.tokens_per_expert_ME.tolist()}
@@ -245,10 +323,13 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                            f"lr {lr:.2e} | {tok_s_gpu:,.0f} tok/s/gpu | {tflops:.4f} TFLOP/s/gpu | MFU "
                            f"{100 * tflops / peak_tflops:.1f}% | a2a {1e3 * a2a / window_steps:.1f} ms/step "
                            f"({100 * rec['a2a_exposed_share']:.0f}% exposed) | load max/mean {rec['load_imbalance_max']:.2f}"
-                           f" | drop {result.dropped_tokens} | mem {rec['peak_mem_gb']:.2f} GB")
+                           f" | drop {result.dropped_tokens} | mem {rec['peak_mem_gb']:.2f} GB"
+                           + (f" | bubble {100 * rec['pp_bubble_share']:.0f}% (formula "
+                              f"{100 * bubble_expected:.0f}%)" if pcfg.pp > 1 else ""))
             for m in moe_layers:
                 m.dispatcher.stats.a2a_seconds = m.dispatcher.stats.exposed_seconds = 0.0
             window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
+            window_bubble = 0.0
         # Evaluation and checkpointing are not training throughput: shift the window's start by their duration (a
         # reset would divide the steps already in the window by a shorter time and inflate tokens/s and MFU).
         t_pause = time.perf_counter()

@@ -1,0 +1,162 @@
+"""Pipeline parallelism (torch.distributed.pipelining) composed with EP and FSDP2, on gloo: every pipelined layout
+trains exactly like the single process -- losses, parameters, expert biases -- with MTP on and a first stage that
+holds no MoE layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.model.config import ConfigError
+from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.pipeline import bubble_formula, default_layout, local_stages, stage_specs
+
+from .harness import ok_values, run_ranks, run_single
+from .pipeline_workers import pipeline_train_run
+from .workers import tiny_test_config
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.set_num_threads(1)
+    return run_single(pipeline_train_run, {"pp": 1}, 3)
+
+
+def _check_against(reference, ranks, what):
+    for r in ranks:
+        assert len(r["losses"]) == 3
+        for got, want in zip(r["losses"], reference["losses"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (what, r["losses"], reference["losses"])
+    merged: dict[str, list[torch.Tensor]] = {}
+    for r in ranks:
+        for k, v in r["params"].items():
+            merged.setdefault(k, []).append(v)
+    assert merged.keys() == reference["params"].keys(), what
+    for name, want in reference["params"].items():
+        for got in merged[name]:
+            torch.testing.assert_close(got, want, msg=lambda m, n=name: f"{what} {n}: {m}")
+    biases = [n for n in reference["params"] if n.endswith("expert_bias")]
+    assert biases and any(reference["params"][n].abs().sum() > 0 for n in biases), "biases never moved"
+    for name in biases:
+        for got in merged[name]:  # every rank holding the layer: bit-identical, and equal to the single process
+            assert torch.equal(got, reference["params"][name]), (what, name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pp,vpp,dp,ep,schedule", [
+    (2, 1, 1, 1, "1f1b"),
+    (2, 2, 1, 1, "interleaved-1f1b"),
+    (2, 1, 1, 1, "dualpipev"),
+    (2, 1, 1, 1, "zbv"),
+    pytest.param(2, 1, 2, 2, "1f1b", marks=pytest.mark.slow),
+    pytest.param(4, 1, 1, 1, "1f1b", marks=pytest.mark.slow),
+])
+def test_pipelined_training_matches_single_process(reference, pp, vpp, dp, ep, schedule):
+    kw = {"pp": pp, "vpp": vpp, "dp": dp, "ep": ep, "pp_schedule": schedule}
+    ranks = ok_values(run_ranks(pp * dp * ep, pipeline_train_run, kw, 3))
+    _check_against(reference, ranks, kw)
+    for r in ranks:  # the schedule ran and was timed: compute time never exceeds the step
+        for total, bubble in r["bubbles"]:
+            assert total > 0 and 0 <= bubble <= total
+
+
+def test_default_layout_and_stage_mapping():
+    cfg = tiny_test_config(n_layers=6)
+    assert default_layout(cfg, 4) == "Ett|tt|t|t" + "m" * cfg.mtp_depth + "L"
+    v = ParallelConfig(pp=2, pp_schedule="dualpipev")
+    assert local_stages(v, 0) == [0, 3] and local_stages(v, 1) == [1, 2]
+    loop = ParallelConfig(pp=2, vpp=2, pp_schedule="interleaved-1f1b")
+    assert local_stages(loop, 0) == [0, 2] and local_stages(loop, 1) == [1, 3]
+    specs = stage_specs(cfg, ParallelConfig(pp=2, pp_layout="Et*4|t*2mL"))
+    assert [s.layers for s in specs] == [(0, 1, 2, 3), (4, 5)]
+    assert specs[0].embed and not specs[0].head and specs[1].head and specs[1].mtp == (0,)
+    assert specs[1].needs_embedding_copy
+
+
+@pytest.mark.parametrize("layout,pp,msg", [
+    ("Et*3|t*2mL", 2, "places 5 layers 't'; the model has n_layers=6"),
+    ("Et*3|t*3|mL", 2, "has 3 stages; expected PP x stages per rank = 2 x 1 = 2"),
+    ("Et*3|t*3L", 2, "places 0 MTP modules"),
+    ("t*3|Et*3mL", 2, "'E' must open the first stage"),
+    ("Et*3m|t*3L", 2, "MTP modules 'm' must sit in the last stage"),
+    ("Et*3|t*3mLx", 2, "unexpected character"),
+])
+def test_bad_layouts_fail_at_once_with_the_count(layout, pp, msg):
+    cfg = tiny_test_config(n_layers=6)
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        stage_specs(cfg, ParallelConfig(pp=pp, pp_layout=layout))
+
+
+def test_too_few_layers_and_bad_schedule_settings():
+    with pytest.raises(ConfigError, match="cannot fill 8 pipeline stages"):
+        stage_specs(tiny_test_config(n_layers=6), ParallelConfig(pp=4, vpp=2, pp_schedule="interleaved-1f1b"))
+    with pytest.raises(ConfigError, match="needs parallel.pp_schedule='interleaved-1f1b'"):
+        ParallelConfig(pp=2, vpp=2)
+    with pytest.raises(ConfigError, match="allowed: 1f1b, interleaved-1f1b, dualpipev, zbv"):
+        ParallelConfig(pp=2, pp_schedule="gpipe")
+    with pytest.raises(ConfigError, match="not divisible by parallel.pp=2"):
+        ParallelConfig(pp=2).resolve(3, 8)
+    assert ParallelConfig(pp=2, ep=2).resolve(8, 8).dp == 2
+
+
+def test_bubble_formula():
+    # (p - 1) / (v m + p - 1): Narayanan et al. 2021
+    assert bubble_formula(ParallelConfig(pp=2), 4) == pytest.approx(1 / 5)
+    assert bubble_formula(ParallelConfig(pp=2, vpp=2, pp_schedule="interleaved-1f1b"), 4) == pytest.approx(1 / 9)
+    assert bubble_formula(ParallelConfig(pp=1), 4) == 0.0
+
+
+def _merged(ranks):
+    out: dict[str, torch.Tensor] = {}
+    for r in ranks:
+        for k, v in r["params"].items():
+            out.setdefault(k, v)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("save_kw,load_kw", [
+    ({"pp": 2, "pp_schedule": "1f1b"}, {"pp": 1}),
+    ({"pp": 1}, {"pp": 2, "pp_schedule": "dualpipev"}),  # the V puts the embedding and its copy on one rank
+])
+def test_checkpoints_reshard_across_pp(tmp_path, save_kw, load_kw):
+    from .pipeline_workers import pipeline_checkpoint_run
+
+    def go(kw, save):
+        n = kw["pp"]
+        if n == 1:
+            return [run_single(pipeline_checkpoint_run, kw, str(tmp_path), save)]
+        return ok_values(run_ranks(n, pipeline_checkpoint_run, kw, str(tmp_path), save))
+
+    saved, loaded = go(save_kw, True), go(load_kw, False)
+    a, b = _merged(saved), _merged(loaded)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bit-exact state after the reshard
+    for r in loaded:
+        assert abs(r["loss2"] / saved[0]["loss2"] - 1) <= 1e-5, (r["loss2"], saved[0]["loss2"])
+
+
+@pytest.mark.dist
+def test_init_from_hf_under_pp(tmp_path):
+    """Each stage reads its own tensors of a released-layout checkpoint: the union equals the written weights."""
+    from moetrain.interop.hf import save_hf_checkpoint
+    from moetrain.model.transformer import build_model
+
+    from .pipeline_workers import pipeline_init_from_run, pipeline_job
+
+    cfg = pipeline_job({"pp": 1}).model
+    src = build_model(cfg, seed=7)
+    with torch.no_grad():
+        for m in src.moe_layers():
+            m.gate.expert_bias.normal_()
+    save_hf_checkpoint(src, tmp_path / "hf")
+    ranks = ok_values(run_ranks(2, pipeline_init_from_run, {"pp": 2, "pp_schedule": "dualpipev"}, str(tmp_path / "hf")))
+    got = _merged([{"params": r} for r in ranks])
+    want = dict(src.named_parameters()) | dict(src.named_buffers())
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name], t.detach()), name
+    # the last stage's embedding copy (rank 0 under the V, beside stage 0) read the same embedding
+    assert all(torch.equal(r["embed_tokens.weight"], want["embed_tokens.weight"]) for r in ranks
+               if "embed_tokens.weight" in r)
