@@ -211,6 +211,21 @@ def _resolve_ep(job: JobConfig, world: int, user_set: bool) -> None:
                          f"process(es) and {n_experts} experts; --ep N chooses another")
 
 
+def _pipeline_microbatches(job: JobConfig) -> None:
+    """An unset ``train.grad_accum`` under pipelining becomes the fewest micro-batches the schedule runs with (PP;
+    DualPipeV: PP x 2), with the micro-batch split to keep the tokens per step where the split divides it."""
+    pcfg, tc = job.parallel, job.train
+    need = pcfg.n_stages if pcfg.pp_schedule == "dualpipev" else pcfg.pp
+    if tc.grad_accum >= need and (pcfg.pp_schedule != "interleaved-1f1b" or tc.grad_accum % pcfg.pp == 0):
+        return
+    seqs = tc.micro_batch_size * tc.grad_accum
+    mbs = seqs // need if seqs % need == 0 and seqs >= need else tc.micro_batch_size
+    job.train = dataclasses.replace(tc, grad_accum=need, micro_batch_size=mbs)
+    job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.pp_schedule="
+                     f"{pcfg.pp_schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step; "
+                     f"--set train.grad_accum=N chooses another")
+
+
 def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
                      world: int | Callable[[JobConfig], int | None] | None = None) -> JobConfig:
     """Build a validated JobConfig from raw sections (file contents merged with overrides).
@@ -268,6 +283,8 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
                 else f"the HF config {hf_config}" if hf_config is not None else None)
     model = _resolve_vocab(model, data, fixed_by)
     job = JobConfig(model=model, parallel=parallel, data=data, train=train, preset=preset)
+    if parallel.pp > 1 and "grad_accum" not in sections.get("train", {}):
+        _pipeline_microbatches(job)
     if callable(world):
         world = world(job)
     if world is not None and world >= 1:

@@ -160,3 +160,26 @@ def test_init_from_hf_under_pp(tmp_path):
     # the last stage's embedding copy (rank 0 under the V, beside stage 0) read the same embedding
     assert all(torch.equal(r["embed_tokens.weight"], want["embed_tokens.weight"]) for r in ranks
                if "embed_tokens.weight" in r)
+
+
+def test_unset_grad_accum_becomes_the_schedule_minimum_and_plan_files_map():
+    import json
+
+    from moetrain.config import load_job_config
+    from moetrain.train.from_plan import plan_overrides
+
+    job = load_job_config(None, ["parallel.pp=2", 'parallel.pp_schedule="dualpipev"'], world=2)
+    assert (job.train.grad_accum, job.train.micro_batch_size) == (4, 8)  # 32 sequences per step kept
+    assert any("needs 4 micro-batches" in n for n in job.notes)
+    job = load_job_config(None, ["parallel.pp=2", "train.grad_accum=3"], world=2)
+    assert job.train.grad_accum == 3  # set by the user: kept (the schedule checks it)
+    plan = {"tp": 1, "pp": 2, "vpp": 2, "ep": 1, "cp": 1, "dp": 1, "micro_batch": 4, "global_batch": 16,
+            "seq_len": 64, "recompute": "none", "schedule": "interleaved", "optimizer": "fp32", "routing": "real",
+            "model": "tiny"}
+    sets, world = plan_overrides(plan)
+    assert world == 2 and "train.grad_accum=4" in sets and 'parallel.pp_schedule="interleaved-1f1b"' in sets
+    job = load_job_config(None, sets, world=world)
+    assert (job.parallel.pp, job.parallel.vpp, job.train.micro_batch_size) == (2, 2, 4)
+    with pytest.raises(ConfigError, match=r"tensor parallelism \(tp=2.*selective recompute"):
+        plan_overrides({**plan, "tp": 2, "recompute": "selective", "recompute_modules": ["mlp"]})
+    assert json.dumps(sets)  # plain strings: usable as --set values

@@ -112,3 +112,26 @@ def test_plan_cli_on_the_local_gpu_counts_moetrains_own_calls(tmp_path):
     cfg = replace(get_preset("tiny"), routing="balanced")
     ref = predict_local_train(cfg, 64, 8, 1, world=2, ep=2, bench_json=BENCH)
     assert cli["step_s"]["step"] == pytest.approx(ref.step_s, rel=1e-9)
+
+
+def test_local_pipelined_plan_is_the_run_the_trainer_makes(tmp_path):
+    """`moetrain plan --gpu local --pp 2` plans what `moetrain train --pp 2` runs: DP = world / PP, the schedule's
+    micro-batches, the trainer's default layer split; its bubble follows the schedule."""
+    import argparse
+    import json
+
+    from moetrain.plan.cli import _trainer_plan
+    from moetrain.plan.model import predict
+    from moetrain.plan.hardware import gpu_from_bench
+    from moetrain.plan.shape import load_shape
+
+    shape = load_shape("tiny")
+    args = argparse.Namespace(pp=2, vpp=None, schedule=None, pp_layout=None)
+    p = _trainer_plan(shape, 2, args)
+    assert (p.pp, p.dp, p.micro_batch, p.n_microbatches, p.pp_layout) == (2, 1, 16, 2, "Ett|ttmL")
+    v = _trainer_plan(shape, 2, argparse.Namespace(pp=2, vpp=2, schedule="interleaved-1f1b", pp_layout=None))
+    assert (v.vpp, v.pp_layout) == (2, "Et|t|t|tmL")
+    (tmp_path / "b.json").write_text(json.dumps(BENCH))
+    gpu = gpu_from_bench(str(tmp_path / "b.json"))
+    b1, b2 = (predict(shape, gpu, 2, x).step.bubble for x in (p, v))
+    assert b1 > b2 > 0  # interleaving shrinks the bubble

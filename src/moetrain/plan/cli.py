@@ -145,7 +145,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     if args.nvlink_domain is not None:
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
     n = args.gpus or (rec.n_gpus if rec else gpu.host_procs if local else 256)
-    plan = rec.plan if rec else _trainer_plan(shape, n) if local else Plan()
+    plan = rec.plan if rec else _trainer_plan(shape, n, args) if local else Plan()
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)
@@ -180,16 +180,36 @@ def _trainer_preset() -> str:
     return JobConfig().preset
 
 
-def _trainer_plan(shape: Any, n: int) -> Plan:
-    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes."""
-    from moetrain.config import JobConfig
+def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) -> Plan:
+    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes, with the
+    pipeline flags given (``--pp``, ``--vpp``, ``--schedule``, ``--pp-layout``) applied the way the trainer applies
+    them (an unset micro-batch count becomes the schedule's minimum), so the plan is the run ``moetrain train``
+    would do with the same flags."""
+    from moetrain.config import load_job_config
     from moetrain.plan.local import local_plan
+    from moetrain.train.from_plan import SCHEDULE_NAMES
 
-    job = JobConfig()
+    sets = []
+    pp = getattr(args, "pp", None) or 1
+    if pp > 1:
+        sets.append(f"parallel.pp={pp}")
+        if getattr(args, "vpp", None):
+            sets.append(f"parallel.vpp={args.vpp}")
+        if getattr(args, "schedule", None):
+            sets.append(f'parallel.pp_schedule="{SCHEDULE_NAMES.get(args.schedule, args.schedule)}"')
+        if getattr(args, "pp_layout", None):
+            sets.append(f'parallel.pp_layout="{args.pp_layout}"')
+    job = load_job_config(None, sets)
     cfg = shape.config
-    ep = job.parallel.ep if n % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
+    layout = job.parallel.pp_layout
+    if pp > 1 and layout is None and hasattr(cfg, "routing"):
+        from moetrain.parallel.pipeline import default_layout
+        layout = default_layout(cfg, job.parallel.n_stages)  # the split the trainer makes
+    stage = n // pp
+    ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
     plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
-                      job.train.grad_accum, world=n, ep=ep)
+                      job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
+                      schedule=job.parallel.pp_schedule, pp_layout=layout)
     return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 
