@@ -215,7 +215,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from moetrain.interop.export import DTYPES, export_run
 
     out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=DTYPES.get(args.dtype),
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, fp8=args.fp8)
     print(f"exported {args.run_dir} to {out}")
     return 0
 
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
     e.add_argument("--dtype", choices=["bf16", "fp32"], help="cast the weights (default: as trained, fp32)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    e.add_argument("--fp8", action="store_true", help="write the released FP8 layout: float8_e4m3fn weights with a "
+                   "weight_scale_inv per 128x128 block, as DeepSeek-V3 ships (norms, router, embedding, head stay)")
     e.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="loss, learning rate and grad norm; expert load and share per MoE layer over steps (PNG)")

@@ -62,7 +62,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             if not ctx.distributed:
                 raise ValueError("dispatcher 'alltoall' needs a process group; launch with torchrun")
             moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
-                                                pcfg.dedup)
+                                                pcfg.dedup, dispatch_dtype=pcfg.dispatch_dtype)
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
         if ctx.distributed:

@@ -309,6 +309,10 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                    "a2a_share_of_step": exposed / dt if dt > 0 else 0.0,
                    "a2a_s_per_layer": [m.dispatcher.stats.a2a_seconds / window_steps for m in moe_layers],
                    "a2a_exposed_s_per_layer": [m.dispatcher.stats.exposed_seconds / window_steps for m in moe_layers],
+                   "dispatch_bytes_per_step": sum(getattr(m.dispatcher.stats, "bytes_sent", 0)
+                                                  for m in moe_layers) / window_steps,
+                   "dispatch_remote_bytes_per_step": sum(getattr(m.dispatcher.stats, "remote_bytes_sent", 0)
+                                                         for m in moe_layers) / window_steps,
                    "pp_bubble_s_per_step": window_bubble / window_steps,
                    "pp_bubble_share": window_bubble / dt if dt > 0 else 0.0,
                    "pp_bubble_formula": bubble_expected,
@@ -328,6 +332,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                               f"{100 * bubble_expected:.0f}%)" if pcfg.pp > 1 else ""))
             for m in moe_layers:
                 m.dispatcher.stats.a2a_seconds = m.dispatcher.stats.exposed_seconds = 0.0
+                if hasattr(m.dispatcher.stats, "bytes_sent"):
+                    m.dispatcher.stats.bytes_sent = m.dispatcher.stats.remote_bytes_sent = 0
             window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
             window_bubble = 0.0
         # Evaluation and checkpointing are not training throughput: shift the window's start by their duration (a
