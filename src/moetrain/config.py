@@ -190,39 +190,46 @@ def _resolve_vocab(model: ModelConfig, data: DataConfig, fixed_by: str | None) -
 
 
 def _resolve_ep(job: JobConfig, world: int, user_set: bool) -> None:
-    """Fit parallel.ep to ``world`` (see the module docstring); a note says when an unset EP was lowered."""
+    """Fit parallel.ep to ``world`` (see the module docstring); a note says when an unset EP was lowered. Under
+    pipelining EP is carved out of one stage's ranks (world / pp)."""
     ep, n_experts, pp = job.parallel.ep, job.model.n_routed_experts, job.parallel.pp
     if world % pp:
         raise ConfigError(f"parallel.pp={pp} does not divide the {world} process(es) of this run; launch a multiple "
                           f"of {pp} processes (--nproc) or change --pp")
-    if pp > 1:  # EP is carved out of one pipeline stage's ranks
-        world //= pp
+    stage = world // pp
+    where = (f"the {stage} process(es) of each pipeline stage ({world} processes / pp {pp})" if pp > 1
+             else f"the {world} process(es) of this run")
     if user_set:
-        if world % ep:
-            ok = [d for d in range(1, world + 1) if world % d == 0 and n_experts % d == 0]
-            raise ConfigError(f"parallel.ep={ep} does not divide the {world} process(es) of this run; use --ep "
-                              f"{fit_ep(ep, world, n_experts)} (allowed here: {', '.join(map(str, ok))}), or launch "
-                              f"a multiple of {ep} processes (--nproc)")
+        if stage % ep:
+            ok = [d for d in range(1, stage + 1) if stage % d == 0 and n_experts % d == 0]
+            raise ConfigError(f"parallel.ep={ep} does not divide {where}; use --ep {fit_ep(ep, stage, n_experts)} "
+                              f"(allowed here: {', '.join(map(str, ok))}), or launch a multiple of "
+                              f"{'pp x ep = ' if pp > 1 else ''}{pp * ep} processes (--nproc)")
         return
-    fit = fit_ep(ep, world, n_experts)
+    fit = fit_ep(ep, stage, n_experts)
     if fit != ep:
         job.parallel = dataclasses.replace(job.parallel, ep=fit)
-        job.notes.append(f"parallel.ep={fit}: the {job.preset} preset's default EP {ep} does not fit {world} "
-                         f"process(es) and {n_experts} experts; --ep N chooses another")
+        job.notes.append(f"parallel.ep={fit}: the {job.preset} preset's default EP {ep} does not fit {where} and "
+                         f"{n_experts} experts; --ep N chooses another")
 
 
-def _pipeline_microbatches(job: JobConfig) -> None:
+def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
     """An unset ``train.grad_accum`` under pipelining becomes the fewest micro-batches the schedule runs with (PP;
-    DualPipeV: PP x 2), with the micro-batch split to keep the tokens per step where the split divides it."""
+    DualPipeV: PP x 2). An unset micro-batch size is split to keep the sequences per step where the split divides
+    them; a set one is kept (the tokens per step then grow). The note says what changed: validation runs
+    ``train.eval_batches`` micro-batches, so a smaller micro-batch also validates on fewer sequences."""
     pcfg, tc = job.parallel, job.train
     need = pcfg.n_stages if pcfg.pp_schedule == "dualpipev" else pcfg.pp
     if tc.grad_accum >= need and (pcfg.pp_schedule != "interleaved-1f1b" or tc.grad_accum % pcfg.pp == 0):
         return
     seqs = tc.micro_batch_size * tc.grad_accum
-    mbs = seqs // need if seqs % need == 0 and seqs >= need else tc.micro_batch_size
+    split = not mbs_set and seqs % need == 0 and seqs >= need
+    mbs = seqs // need if split else tc.micro_batch_size
     job.train = dataclasses.replace(tc, grad_accum=need, micro_batch_size=mbs)
+    kept = (f"the {seqs} sequences per pipeline and step kept, validation on {tc.eval_batches} micro-batches of "
+            f"{mbs}" if split else f"{mbs * need} sequences per pipeline and step (was {seqs})")
     job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.pp_schedule="
-                     f"{pcfg.pp_schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step; "
+                     f"{pcfg.pp_schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step ({kept}); "
                      f"--set train.grad_accum=N chooses another")
 
 
@@ -284,7 +291,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
     model = _resolve_vocab(model, data, fixed_by)
     job = JobConfig(model=model, parallel=parallel, data=data, train=train, preset=preset)
     if parallel.pp > 1 and "grad_accum" not in sections.get("train", {}):
-        _pipeline_microbatches(job)
+        _pipeline_microbatches(job, "micro_batch_size" in sections.get("train", {}))
     if callable(world):
         world = world(job)
     if world is not None and world >= 1:

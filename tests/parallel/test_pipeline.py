@@ -177,9 +177,33 @@ def test_unset_grad_accum_becomes_the_schedule_minimum_and_plan_files_map():
             "seq_len": 64, "recompute": "none", "schedule": "interleaved", "optimizer": "fp32", "routing": "real",
             "model": "tiny"}
     sets, world = plan_overrides(plan)
-    assert world == 2 and "train.grad_accum=4" in sets and 'parallel.pp_schedule="interleaved-1f1b"' in sets
+    assert world == 2 and "train.grad_accum=4" in sets and "parallel.dp=1" in sets and 'parallel.pp_schedule="interleaved-1f1b"' in sets
     job = load_job_config(None, sets, world=world)
     assert (job.parallel.pp, job.parallel.vpp, job.train.micro_batch_size) == (2, 2, 4)
     with pytest.raises(ConfigError, match=r"tensor parallelism \(tp=2.*selective recompute"):
         plan_overrides({**plan, "tp": 2, "recompute": "selective", "recompute_modules": ["mlp"]})
     assert json.dumps(sets)  # plain strings: usable as --set values
+
+
+def test_plan_dp_includes_ep_and_the_trainer_dp_does_not():
+    from moetrain.train.from_plan import plan_overrides
+
+    sets, world = plan_overrides({"pp": 2, "ep": 2, "dp": 2, "micro_batch": 2, "global_batch": 8, "seq_len": 64})
+    assert world == 4 and "parallel.dp=1" in sets and "parallel.ep=2" in sets and "train.grad_accum=2" in sets
+    sets, _ = plan_overrides({"pp": 2, "dp": 1})
+    assert not any(s.startswith("data.seq_len") for s in sets)  # no sequence length: the job's own
+
+
+def test_pipeline_checks_run_before_any_worker():
+    """The launcher's preflight runs these: a bad layout, tied embeddings or too few micro-batches never start a
+    worker."""
+    from moetrain.parallel.pipeline import check_pipeline
+
+    cfg = tiny_test_config(n_layers=4)
+    check_pipeline(cfg, ParallelConfig(pp=2), 2)
+    with pytest.raises(ConfigError, match="places 5 layers"):
+        check_pipeline(cfg, ParallelConfig(pp=2, pp_layout="Ettt|ttmL"), 2)
+    with pytest.raises(ConfigError, match="needs at least 4 micro-batches"):
+        check_pipeline(cfg, ParallelConfig(pp=2, pp_schedule="dualpipev"), 2)
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        check_pipeline(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 2)

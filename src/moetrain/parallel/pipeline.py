@@ -61,7 +61,7 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     try:
         stages = parse_layout(layout)
     except PlanError as e:
-        raise ConfigError(f"parallel.pp_layout: {e}") from None
+        raise ConfigError(f"parallel.{e}") from None
     where = (f"parallel.pp_layout={layout!r}" if pcfg.pp_layout else f"the default layout {layout!r}")
     if len(stages) != n_stages:
         raise ConfigError(f"{where} has {len(stages)} stages; expected PP x stages per rank = {pcfg.pp} x "
@@ -100,6 +100,37 @@ def stage_to_rank(pcfg: ParallelConfig, stage: int) -> int:
 def local_stages(pcfg: ParallelConfig, pp_rank: int) -> list[int]:
     """The stage indices pipeline rank ``pp_rank`` holds, ascending."""
     return [s for s in range(pcfg.n_stages) if stage_to_rank(pcfg, s) == pp_rank]
+
+
+def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, n_microbatches: int) -> None:
+    """Every check of a pipelined job that needs no process: the layout against the model and the schedule, tied
+    embeddings, the schedule's micro-batch count (run by the launcher before any worker starts).
+
+    Raises:
+        ConfigError: naming the problem and the expected value.
+    """
+    if pcfg.pp == 1:
+        return
+    stage_specs(cfg, pcfg)
+    if cfg.tie_embeddings:
+        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported (the head on the last stage "
+                          "would share the first stage's embedding); untie it or use pp = 1")
+    check_microbatches(pcfg, n_microbatches)
+
+
+def check_microbatches(pcfg: ParallelConfig, n_microbatches: int) -> None:
+    """1F1B, ZB-V and interleaved 1F1B need at least PP micro-batches per step (interleaved: a multiple of PP),
+    DualPipeV at least its number of stages.
+
+    Raises:
+        ConfigError: naming the schedule, the need and ``train.grad_accum``.
+    """
+    name, n_stages = pcfg.pp_schedule, pcfg.n_stages
+    need = n_stages if name == "dualpipev" else pcfg.pp
+    if n_microbatches < need or (name == "interleaved-1f1b" and n_microbatches % pcfg.pp):
+        rule = "a multiple of" if name == "interleaved-1f1b" else "at least"
+        raise ConfigError(f"parallel.pp_schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
+                          f"per step; train.grad_accum={n_microbatches} (leave it unset for the minimum)")
 
 
 def build_stages(model: Transformer, pcfg: ParallelConfig, pp_rank: int) -> list[TransformerStage]:
@@ -231,11 +262,7 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     pcfg = ctx.pcfg
     name = pcfg.pp_schedule
     n_stages = pcfg.n_stages
-    need = {"1f1b": pcfg.pp, "dualpipev": n_stages, "zbv": pcfg.pp, "interleaved-1f1b": pcfg.pp}[name]
-    if n_microbatches < need or (name == "interleaved-1f1b" and n_microbatches % pcfg.pp):
-        rule = "a multiple of" if name == "interleaved-1f1b" else "at least"
-        raise ConfigError(f"parallel.pp_schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
-                          f"per step; train.grad_accum={n_microbatches}")
+    check_microbatches(pcfg, n_microbatches)
     B, L, D = micro_batch, seq_len, parts[0].cfg.dim
     dev = ctx.device
     tok = torch.empty(B, L, dtype=torch.long, device="meta")

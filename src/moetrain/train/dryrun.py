@@ -104,6 +104,12 @@ def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: st
     return "\n".join(lines)
 
 
+def layout_label(pcfg: Any) -> str:
+    """E.g. "PP=2 (dualpipev, 4 stages) DP=1 EP=2", or "DP=2 EP=2" without pipelining."""
+    pipe = f"PP={pcfg.pp} ({pcfg.pp_schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else ""
+    return f"{pipe}DP={pcfg.dp} EP={pcfg.ep}"
+
+
 def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module) -> dict[str, Any]:
     """Gather every rank's :class:`RankMemory` on rank 0, print the table there, and write it to
     ``<out_dir>/dry_run.json``. Returns the summary (rank 0's view)."""
@@ -117,7 +123,7 @@ def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module)
         pred = predicted_memory(job, ctx.world_size, ctx.device.type)
         summary["predicted_gib"] = pred
         print(format_report(rows, pred, f"[moetrain] dry run: {job.preset} on {ctx.world_size} ranks "
-                                        f"(DP={ctx.pcfg.dp} EP={ctx.pcfg.ep}), {ctx.device.type}; no step run"))
+                                        f"({layout_label(ctx.pcfg)}), {ctx.device.type}; no step run"))
         out = Path(job.train.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "dry_run.json").write_text(json.dumps(summary, indent=2))
@@ -134,15 +140,24 @@ def dry_run_world(job: JobConfig, world: int) -> dict[str, Any]:
     from moetrain.parallel.mesh import fake_parallel
     from moetrain.parallel.parallelize import parallelize
 
+    from moetrain.parallel.pipeline import build_stages, check_pipeline
+
+    check_pipeline(job.model, job.parallel, job.train.grad_accum)
     ctx = fake_parallel(job.parallel, world, job.model.n_routed_experts)
     try:
         model = build_model(job.model, device="meta")
-        parallelize(model, ctx)
-        row = rank_memory(model, ctx, measured=False)
         total = sum(math.prod(p.shape) for p in model.parameters())
+        if ctx.pcfg.pp > 1:  # rank 0 holds the first pipeline rank's stages
+            parts = build_stages(model, ctx.pcfg, 0)
+            for part in parts:
+                parallelize(part, ctx)
+            model = torch.nn.ModuleList(parts)
+        else:
+            parallelize(model, ctx)
+        row = rank_memory(model, ctx, measured=False)
         pred = predicted_memory(job, world, "cuda" if job.train.device == "cuda" else "cpu")
         print(format_report([row], pred, f"[moetrain] dry run on meta: {job.preset} ({total:,} parameters) as rank "
-                                         f"0 of {world} (DP={ctx.pcfg.dp} EP={ctx.pcfg.ep}); nothing allocated, no "
+                                         f"0 of {world} ({layout_label(ctx.pcfg)}); nothing allocated, no "
                                          f"process started"))
         summary = {"dry_run": True, "world": world, "ranks": [asdict(row)], "predicted_gib": pred,
                    "total_params": total}

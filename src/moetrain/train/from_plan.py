@@ -6,7 +6,8 @@ differs, this table is the one place that says so:
 ==========================  ===========================================================================
 Plan field                  job setting
 ==========================  ===========================================================================
-pp, vpp, ep, dp, pp_layout  parallel.pp, parallel.vpp, parallel.ep, parallel.dp, parallel.pp_layout
+pp, vpp, ep, pp_layout      parallel.pp, parallel.vpp, parallel.ep, parallel.pp_layout
+dp (EP carved out of it)    parallel.dp = dp / ep (the trainer's dp counts the ranks holding the same experts)
 schedule                    parallel.pp_schedule ("interleaved" = "interleaved-1f1b", "dualpipe" =
                             "dualpipev"; the trainer's names are accepted by the planner too)
 micro_batch                 train.micro_batch_size (sequences)
@@ -42,6 +43,8 @@ def read_plan(path: str | Path) -> dict[str, Any]:
         ConfigError: the file is missing or not such JSON.
     """
     p = Path(path)
+    if p.is_file() and not p.read_text(errors="replace").strip():
+        raise ConfigError(f"--plan {path} is empty (did `moetrain plan` fail when it was written?)")
     try:
         text = p.read_text()
         data = json.loads(text[text.index("{"):])
@@ -93,18 +96,22 @@ def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
         missing.append(f"the {schedule!r} pipeline schedule (the trainer runs {sorted(set(SCHEDULE_NAMES.values()))})")
     if missing:
         raise ConfigError("moetrain train cannot run this plan yet: " + "; ".join(missing))
-    dp, mbs, pp = g("dp"), g("micro_batch", 1), g("pp", 1)
+    dp, mbs, pp, ep = g("dp"), g("micro_batch", 1), g("pp", 1), g("ep", 1)
     if not dp:
         raise ConfigError("the plan has no data-parallel size (dp); give `moetrain plan` the GPU count (--gpus)")
+    if dp % ep:
+        raise ConfigError(f"the plan's ep={ep} does not divide its dp={dp} (EP is carved out of the data-parallel "
+                          f"ranks)")
     gbs = g("global_batch", dp * mbs)
     if gbs % (dp * mbs):
         raise ConfigError(f"the plan's global_batch={gbs} is not a multiple of dp x micro_batch = {dp * mbs}")
-    sets = [f"parallel.pp={pp}", f"parallel.vpp={g('vpp', 1)}", f"parallel.ep={g('ep', 1)}", f"parallel.dp={dp}",
+    sets = [f"parallel.pp={pp}", f"parallel.vpp={g('vpp', 1)}", f"parallel.ep={ep}", f"parallel.dp={dp // ep}",
             f"parallel.pp_schedule={json.dumps(SCHEDULE_NAMES[schedule])}",
             f"train.micro_batch_size={mbs}", f"train.grad_accum={gbs // (dp * mbs)}",
-            f"data.seq_len={g('seq_len')}",
             f"parallel.activation_checkpointing={'true' if g('recompute') == 'full' else 'false'}",
             f"model.routing={json.dumps('balanced' if g('routing') == 'balanced' else 'learned')}"]
+    if g("seq_len"):
+        sets.append(f"data.seq_len={g('seq_len')}")
     if g("pp_layout"):
         sets.append(f"parallel.pp_layout={json.dumps(g('pp_layout'))}")
     if g("precision") in ("fp8", "mxfp8"):

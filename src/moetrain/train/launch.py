@@ -89,6 +89,8 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
         ConfigError, DataError, CheckpointError: naming the problem and the fix.
     """
     job.parallel.resolve(world_size, job.model.n_routed_experts)
+    from moetrain.parallel.pipeline import check_pipeline
+    check_pipeline(job.model, job.parallel, job.train.grad_accum)
     if resolve_device(job) == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
     check_memory(job, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), dry_run)

@@ -24,6 +24,7 @@ from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.config import TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
+from moetrain.parallel.config import V_SCHEDULES
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint,
@@ -99,11 +100,28 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
                 x, y = batches[-1]
                 batches.append((torch.zeros_like(x), torch.full_like(y, IGNORE_INDEX)))
             obj = model.objective
+            # torch's zero-bubble V schedules cannot run forward-only (their eval() asserts on the split backward
+            # actions), so there the step runs as a training step with a zero loss and no balance term, and the
+            # (zero) gradients are dropped.
+            v = ctx.pcfg.pp_schedule in V_SCHEDULES
             for g in range(0, len(batches), n):
                 x = torch.cat([b[0] for b in batches[g:g + n]])
                 y = torch.cat([b[1] for b in batches[g:g + n]])
                 obj.start(torch.ones((), device=ctx.device), torch.ones(job.model.mtp_depth, device=ctx.device))
-                model.schedule.eval(*((x, y) if model.first else ()), **({"target": y} if model.last else {}))
+                args, kw = ((x, y) if model.first else ()), ({"target": y} if model.last else {})
+                if v:
+                    for p in model.parts:
+                        p.balance_scale = 0.0
+                    obj.weight = 0.0
+                    try:
+                        with torch.enable_grad():
+                            model.schedule.step(*args, return_outputs=False, **kw)
+                    finally:
+                        obj.weight = 1.0
+                        for p in model.parts:
+                            p.zero_grad(set_to_none=True)
+                else:
+                    model.schedule.eval(*args, **kw)
                 if model.last:
                     total += torch.stack([obj.lm_sum, (y != IGNORE_INDEX).sum().double()])
     if ctx.distributed:
