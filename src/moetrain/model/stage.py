@@ -41,7 +41,7 @@ from torch import nn
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE, MoEStats
-from moetrain.model.transformer import (IGNORE_INDEX, Block, MTPModule, Transformer, ce_sum, mtp_targets)
+from moetrain.model.transformer import IGNORE_INDEX, Block, Transformer, ce_sum, mtp_targets
 
 
 @dataclass(frozen=True)
@@ -229,5 +229,5 @@ def whole_model_spec(cfg: ModelConfig) -> StageSpec:
     return StageSpec(0, 1, tuple(range(cfg.n_layers)), tuple(range(cfg.mtp_depth)), embed=True, head=True)
 
 
-__all__ = ["AttachLoss", "MTPModule", "StageSpec", "StageStats", "TransformerStage", "moe_index_of",
+__all__ = ["AttachLoss", "StageSpec", "StageStats", "TransformerStage", "moe_index_of",
            "whole_model_spec"]
