@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from moetrain.accounting import flops_per_token  # noqa: E402
+from moetrain.data.synthetic import synthetic_batches  # noqa: E402
 from moetrain.model.config import get_preset  # noqa: E402
 from moetrain.model.transformer import build_model  # noqa: E402
 from moetrain.precision import apply_fp8, quantise  # noqa: E402
@@ -62,21 +63,6 @@ def _time(fn: Callable[[], Any], dev: torch.device, iters: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def _batches(vocab: int, n: int, B: int, L: int, dev: torch.device, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
-    """A learnable synthetic language (each token a fixed function of the previous one, 10% random)."""
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randperm(vocab, generator=g)
-    out = []
-    for _ in range(n):
-        t = torch.empty(B, L + 1, dtype=torch.long)
-        t[:, 0] = torch.randint(0, vocab, (B,), generator=g)
-        for i in range(L):
-            noise = torch.rand(B, generator=g) < 0.1
-            t[:, i + 1] = torch.where(noise, torch.randint(0, vocab, (B,), generator=g), table[t[:, i]])
-        out.append((t[:, :-1].to(dev), t[:, 1:].to(dev)))
-    return out
-
-
 def _amp(dev: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if dev.type == "cuda" else None
 
@@ -100,7 +86,7 @@ def check_mfu(preset: str, dev: torch.device, B: int, L: int, iters: int) -> Row
     cfg = get_preset(preset)
     amp = _amp(dev)
     model = build_model(cfg, device=dev)
-    batch = _batches(cfg.vocab_size, 1, B, L, dev)
+    batch = synthetic_batches(cfg.vocab_size, 1, B, L, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step() -> None:
@@ -198,7 +184,7 @@ def check_syncs(dev: torch.device, B: int, L: int) -> Row:
         return {"check": name, "value": "skipped", "detail": "no CUDA device: host and device are one on CPU"}
     cfg = get_preset("tiny")
     model = build_model(cfg, device=dev)
-    tok, lab = _batches(cfg.vocab_size, 1, B, L, dev)[0]
+    tok, lab = synthetic_batches(cfg.vocab_size, 1, B, L, dev)[0]
     _train(model, cfg, [(tok, lab)], dev, _amp(dev))  # warm-up (lazy inits sync)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -219,7 +205,7 @@ def check_loss_gap(dev: torch.device, steps: int, B: int, L: int) -> list[Row]:
     cfg.vocab_size = 256
     amp = _amp(dev)
     base = build_model(cfg, device=dev)
-    batches = _batches(cfg.vocab_size, steps, B, L, dev)
+    batches = synthetic_batches(cfg.vocab_size, steps, B, L, dev)
     ref = _train(copy.deepcopy(base), cfg, batches, dev, amp)
     tail = min(5, steps)
     ref_tail = sum(ref[-tail:]) / tail

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from moetrain.data.synthetic import synthetic_batches
 from moetrain.model.config import get_preset
 from moetrain.model.moe import GroupedExperts
 from moetrain.model.transformer import build_model
@@ -46,21 +47,6 @@ def test_apply_fp8_on_meta_keeps_parameters_and_high_precision_modules():
         TrainConfig(fp8="e5m2")  # type: ignore[arg-type]
 
 
-def _batches(vocab: int, n: int, B: int = 4, L: int = 32):
-    """A learnable synthetic language: each token is a fixed function of the previous one, 10% random."""
-    g = torch.Generator().manual_seed(1)
-    table = torch.randperm(vocab, generator=g)
-    out = []
-    for _ in range(n):
-        t = torch.empty(B, L + 1, dtype=torch.long)
-        t[:, 0] = torch.randint(0, vocab, (B,), generator=g)
-        for i in range(L):
-            noise = torch.rand(B, generator=g) < 0.1
-            t[:, i + 1] = torch.where(noise, torch.randint(0, vocab, (B,), generator=g), table[t[:, i]])
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
-
-
 def _train(model: nn.Module, cfg, batches) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     losses = []
@@ -80,7 +66,7 @@ def test_fp8_training_follows_bf16():
     torch.manual_seed(0)
     cfg = _tiny()
     base = build_model(cfg, device="cpu")
-    batches = _batches(cfg.vocab_size, 16)
+    batches = synthetic_batches(cfg.vocab_size, 16)
     ref = _train(copy.deepcopy(base), cfg, batches)
     assert sum(ref[-4:]) / 4 < 0.85 * ref[0]  # it learns: the test can tell a broken backward
     for recipe in ("blockwise", "mxfp8"):
