@@ -52,11 +52,15 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     parsed by ``moetrain.plan.plan.parse_layout``, which the planner uses too) or :func:`default_layout`.
 
     Raises:
-        ConfigError: the layout does not match the model or the schedule, naming the expected count.
+        ConfigError: the layout does not match the model or the schedule, naming the expected count; tied
+            embeddings (the last stage's head would share the first stage's embedding).
     """
     from moetrain.plan.plan import PlanError, parse_layout
 
     n_stages = pcfg.n_stages
+    if n_stages > 1 and cfg.tie_embeddings:
+        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported (the head on the last stage "
+                          "would share the first stage's embedding); untie it or use pp = 1")
     layout = pcfg.pp_layout or default_layout(cfg, n_stages)
     try:
         stages = parse_layout(layout)
@@ -112,9 +116,6 @@ def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, n_microbatches: int) 
     if pcfg.pp == 1:
         return
     stage_specs(cfg, pcfg)
-    if cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported (the head on the last stage "
-                          "would share the first stage's embedding); untie it or use pp = 1")
     check_microbatches(pcfg, n_microbatches)
 
 
@@ -141,9 +142,6 @@ def build_stages(model: Transformer, pcfg: ParallelConfig, pp_rank: int) -> list
         ConfigError: a layout that does not match (see :func:`stage_specs`), or tied embeddings under pipelining.
     """
     specs = stage_specs(model.cfg, pcfg)
-    if pcfg.n_stages > 1 and model.cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported (the head on the last stage "
-                          "would share the first stage's embedding); untie it or use pp = 1")
     return [TransformerStage(model, specs[s]) for s in local_stages(pcfg, pp_rank)]
 
 
