@@ -173,11 +173,27 @@ REAL_ROUTING_SLOWDOWN = 1.15
 #: elements (DeepSeek 1x128 tiles; MXFP8's 1-byte scale per 32 elements is the same 1/32).
 FP8_BYTES = 1.0 + 1.0 / 32
 
-#: Host time to launch one CUDA kernel from an eager framework (driver + runtime call): about 4-6 us measured on
+#: Host time to launch one CUDA kernel from C++ (driver + runtime call) on an x86 host: about 4-6 us measured on
 #: a current driver (xiaguan/cuda-kernel-launch-lab; NVIDIA's "Getting Started with CUDA Graphs" blog measures
-#: the same order); docs/reference.md section 12. Whole-iteration CUDA graphs replay the kernels with no host call
-#: each, so a run with them pays none of it.
+#: the same order); docs/reference.md section 12. It is what a kernel costs that a C++ loop launches without a
+#: Python call each (the per-expert GEMMs and quantisations of an eager grouped GEMM). Whole-iteration CUDA graphs
+#: replay the kernels with no host call each, so a run with them pays none of it.
 HOST_S_PER_KERNEL = 5e-6
+
+#: Host time of one eager PyTorch operator that launches one kernel (Python, dispatcher, launch), by host CPU:
+#: a torch.nn.Linear forward takes 13.48 us of CPU time on an H100 DGX (Xeon Platinum 8480C) and 37.08 us on a
+#: GB200 (Grace) (TransformerEngine issue #2053, "High CPU overhead on Grace systems", BF16, hidden 2,048, 8,192
+#: tokens). Every counted kernel of an eager block (KERNELS_FWD) costs this; Transformer Engine's modules cost
+#: more per call (99.66 us for te.Linear on the same GB200), which is not charged.
+HOST_S_PER_OP = {"x86": 13.48e-6, "grace": 37.08e-6}
+
+#: Kernels an eager grouped expert MLP launches per local expert in one forward + backward (Megatron's
+#: TEGroupedMLP over Transformer Engine's GroupedLinear, which quantises each expert's rows and runs one GEMM per
+#: expert): forward fc1 and fc2 GEMMs, backward a data- and a weight-gradient GEMM of each (6); under FP8 each
+#: GEMM input is quantised per expert as well (forward 2, backward 2: +4). Launched from C++ in a loop, so each
+#: costs HOST_S_PER_KERNEL (scaled to the host CPU as HOST_S_PER_OP scales). Full-iteration graphs or a fused
+#: grouped-MLP kernel (the 26.06 recipes) launch none of them per expert.
+KERNELS_PER_EXPERT = {"bf16": 6, "fp8": 10}
 
 #: Kernels one forward of a block launches in a fused Megatron / TE stack, counted from its operations (norm,
 #: projections, RoPE, attention, casts, residual; router, top-k, permute, dispatch, grouped GEMMs, activation,
@@ -206,6 +222,8 @@ def all_constants() -> dict[str, object]:
         "REAL_ROUTING_SLOWDOWN": REAL_ROUTING_SLOWDOWN,
         "FP8_BYTES": FP8_BYTES,
         "HOST_S_PER_KERNEL": HOST_S_PER_KERNEL,
+        "HOST_S_PER_OP": dict(HOST_S_PER_OP),
+        "KERNELS_PER_EXPERT": dict(KERNELS_PER_EXPERT),
         "KERNELS_FWD": dict(KERNELS_FWD),
         "COMM_SMS": dict(COMM_SMS),
     }

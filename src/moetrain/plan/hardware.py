@@ -29,6 +29,9 @@ from typing import Any
 
 PRECISIONS = ("bf16", "fp8", "mxfp8", "fp4", "fp32")
 GENERATIONS = ("hopper", "blackwell", "cpu")
+#: Host CPU families of the catalogue's systems: x86 on HGX / DGX boards, Arm Grace on GB200 / GB300 NVL72.
+#: Eager launches cost the host a different time on each (moetrain.plan.constants.HOST_S_PER_OP).
+HOST_CPUS = ("x86", "grace")
 
 
 class HardwareError(ValueError):
@@ -61,6 +64,11 @@ class GPUSpec:
             generation's ``comm_sm_share``).
         power_w: the SKU's power limit (documentation: it is why HGX and NVL72 parts of one die have different
             dense peaks in the datasheets, which are the rates used).
+        tensor_sustain: what this SKU sustains of the tensor-core rate its generation's efficiency gives on its
+            datasheet peak (1.0 = the generation's figure). Below 1 only where a public measurement of that SKU
+            shows its power cap holding large GEMMs lower than the datasheet peak ratio says (see CATALOGUE).
+        host_cpu: the host CPU family driving the GPU ("x86" or "grace"; None = x86): eager kernel launches cost
+            its host time (moetrain.plan.constants.HOST_S_PER_OP).
         source: where the numbers come from.
     """
 
@@ -82,6 +90,8 @@ class GPUSpec:
     host_procs: int | None = None
     sm_count: int | None = None
     power_w: float | None = None
+    tensor_sustain: float = 1.0
+    host_cpu: str | None = None
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -105,6 +115,10 @@ class GPUSpec:
             raise HardwareError(f"GPU {self.name!r}: fsdp_unit_gbps={self.fsdp_unit_gbps} must be > 0")
         if self.host_procs is not None and (not isinstance(self.host_procs, int) or self.host_procs < 1):
             raise HardwareError(f"GPU {self.name!r}: host_procs={self.host_procs!r} must be an integer >= 1")
+        if not 0 < self.tensor_sustain <= 1.0:
+            raise HardwareError(f"GPU {self.name!r}: tensor_sustain={self.tensor_sustain} must be in (0, 1]")
+        if self.host_cpu is not None and self.host_cpu not in HOST_CPUS:
+            raise HardwareError(f"GPU {self.name!r}: host_cpu={self.host_cpu!r}; allowed: {list(HOST_CPUS)}")
         if not isinstance(self.nvlink_domain, int) or self.nvlink_domain < 1:
             raise HardwareError(f"GPU {self.name!r}: nvlink_domain={self.nvlink_domain!r} must be an integer >= 1")
 
@@ -127,7 +141,7 @@ class GPUSpec:
 
 def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: float, hbm: float, hbm_bw: float,
          nvl_bidir: float, domain: int, nic_gbit: float, sfu: float, source: str, sm: int | None = None,
-         power: float | None = None) -> GPUSpec:
+         power: float | None = None, sustain: float = 1.0, host: str = "x86") -> GPUSpec:
     peaks = {"bf16": bf16, "fp8": fp8, "fp32": fp32}
     if gen == "blackwell":
         peaks["mxfp8"] = fp8
@@ -135,7 +149,7 @@ def _gpu(name: str, gen: str, bf16: float, fp8: float, fp4: float | None, fp32: 
         peaks["fp4"] = fp4
     return GPUSpec(name=name, generation=gen, peak_tflops=peaks, hbm_gb=hbm, hbm_tbps=hbm_bw,
                    nvlink_gbps=nvl_bidir / 2, nvlink_domain=domain, nic_gbps=nic_gbit / 8, sfu_texp=sfu,
-                   sm_count=sm, power_w=power, source=source)
+                   sm_count=sm, power_w=power, tensor_sustain=sustain, host_cpu=host, source=source)
 
 
 _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved to per-direction)"
@@ -148,21 +162,34 @@ _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved
 #: H100/H800/H200 SXM (H100 whitepaper), 160 on Blackwell Ultra B300 / GB300 (NVIDIA "Inside NVIDIA Blackwell
 #: Ultra"), 148 on B200 / GB200 (the device query's figure; no NVIDIA document found: an assumption);
 #: docs/reference.md section 12.
+#: Sustained tensor rate per SKU (``tensor_sustain``): the generation's GEMM efficiencies (constants.py) come from
+#: NVL72 / SXM parts at their full power limit; an HGX B200 measures below that by more than its datasheet peak
+#: says. A large FP8 GEMM with its quantisation (te.Linear, 8,192^3) runs at 2,377 TFLOP/s on an HGX B200
+#: (TransformerEngine issue #1747, the shape that issue reports as normal), against 0.70 x 4.5 PF = 3,150 from the
+#: generation's ``gemm_fp8``: 0.755. Independently, FBGEMM's FP8 GEMMs run 2.0x H100 on B200 and 2.8x on GB200
+#: (pytorch/FBGEMM PR #4197, "mainly derived from GPU cap power limit": 750 W on their B200 against 1,200 W), a
+#: ratio of 0.71 where the datasheets give 0.90, i.e. 0.79 relative to GB200. 0.755 (the direct measurement) is
+#: used for all tensor-core work (GEMMs, grouped GEMMs, attention). No such measurement was found for HGX B300
+#: (1,100 W) or for GB300 against GB200: 1.0 there.
+#: Host CPUs (``host_cpu``): HGX / DGX boards have x86 hosts, GB200 / GB300 NVL72 trays Arm Grace CPUs, on which
+#: the same eager PyTorch call takes 2.75x the host time (TransformerEngine issue #2053; constants.HOST_S_PER_OP).
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("h100", "hopper", 989, 1979, None, 67, 80, 3.35, 900, 8, 400, 3.9, _DS + "; H100 SXM", sm=132, power=700),
     _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,
          _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)", sm=132,
          power=700),
     _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM", sm=132, power=700),
-    _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0, _DS + "; HGX B200", sm=148,
-         power=1000),
+    _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0,
+         _DS + "; HGX B200; sustained tensor rate 0.755 of the generation's: TransformerEngine issue #1747 (FP8 "
+         "te.Linear 8,192^3 at 2,377 TFLOP/s on an HGX B200), FBGEMM PR #4197 (B200 at its power cap 0.71 of GB200 "
+         "on FP8 GEMMs)", sm=148, power=1000, sustain=0.755),
     _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
          "vendor datasheet (HGX B300; docs/reference.md section 12): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
          "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s", sm=160, power=1100),
     _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72", sm=148,
-         power=1200),
+         power=1200, host="grace"),
     _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72", sm=160,
-         power=1400),
+         power=1400, host="grace"),
 )}
 
 _ALIASES = {"h100-sxm": "h100", "h800-sxm": "h800", "h200-sxm": "h200", "gb200-nvl72": "gb200",

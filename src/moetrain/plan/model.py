@@ -45,7 +45,9 @@ from moetrain.plan.constants import (
     COMM_SMS,
     ELEMENTWISE_BWD_TO_FWD,
     HOST_S_PER_KERNEL,
+    HOST_S_PER_OP,
     KERNELS_FWD,
+    KERNELS_PER_EXPERT,
     FP8_BYTES,
     REAL_ROUTING_SLOWDOWN,
     RESERVED_GIB,
@@ -254,11 +256,13 @@ class _Ctx:
         self.n = self.tok_mb / (p.tp * p.cp)                       # tokens per GPU (sequence + context parallel)
         self.fb = shape.flops(p.seq_len)
         self.fp8 = p.precision in ("fp8", "mxfp8")
-        self.gemm_peak = self._peak(p.precision) * eff.gemm(p.precision)
+        # tensor-core work runs at what this SKU sustains of its generation's rate (power cap, hardware.CATALOGUE)
+        sustain = gpu.tensor_sustain
+        self.gemm_peak = self._peak(p.precision) * eff.gemm(p.precision) * sustain
         head_prec = "fp32" if p.precision == "fp32" else "bf16"
-        self.bf16_peak = self._peak(head_prec) * eff.gemm(head_prec)
+        self.bf16_peak = self._peak(head_prec) * eff.gemm(head_prec) * sustain
         self.attn_precision = "fp32" if p.precision == "fp32" else p.attn_precision
-        self.attn_peak = self._peak(self.attn_precision) * eff.attention
+        self.attn_peak = self._peak(self.attn_precision) * eff.attention * sustain
         self.param_bytes = 4.0 if p.precision == "fp32" else 2.0
         self.fp32_peak = self._peak("fp32") * eff.gemm("fp32")
         self.hbm = gpu.hbm_tbps * 1e12 * eff.hbm
@@ -575,11 +579,17 @@ def _ops_overhead(c: _Ctx, kind: str) -> float:
 def host_launch_s(c: _Ctx, kind: str) -> float:
     """Host time to launch one item's kernels for one micro-batch (forward + backward, about 1 + 2 x the forward's
     kernels), by CUDA-graph coverage: none with whole-iteration graphs, the graphable parts (attention, router,
-    preprocess) as one launch each with partial graphs, every kernel eagerly without (constants.KERNELS_FWD,
-    HOST_S_PER_KERNEL). Zero on measured CPU machines, whose per-operator overhead is measured instead."""
+    preprocess) as one launch each with partial graphs, every kernel eagerly without (constants.KERNELS_FWD at
+    HOST_S_PER_OP of the GPU's host CPU). The eager grouped expert MLP (partial graphs leave it eager) adds its
+    per-expert GEMMs and quantisations (KERNELS_PER_EXPERT x local experts), launched from C++ at
+    HOST_S_PER_KERNEL scaled to the host CPU. Zero on measured CPU machines, whose per-operator overhead is
+    measured instead."""
     g = c.plan.resolved_cuda_graphs
     if g == "full" or c.gpu.generation == "cpu":
         return 0.0
+    cpu = c.gpu.host_cpu or "x86"
+    per_op = HOST_S_PER_OP[cpu]
+    per_launch = HOST_S_PER_KERNEL * per_op / HOST_S_PER_OP["x86"]
     k = KERNELS_FWD
     fp8_casts = 1.5 if c.fp8 else 1.0  # an FP8 GEMM adds a quantisation kernel next to about every second kernel
     attn = 1 if g == "partial" else k["attention"] * fp8_casts
@@ -591,7 +601,10 @@ def host_launch_s(c: _Ctx, kind: str) -> float:
     per_fwd["m"] = per_fwd["t"] + k["head"] + 4
     if c.plan.recompute == "full" and kind in ("d", "t", "m"):
         per_fwd[kind] *= 4 / 3
-    return 3 * per_fwd[kind] * HOST_S_PER_KERNEL
+    experts = 0.0
+    if kind in ("t", "m") and c.e_loc > 1:
+        experts = KERNELS_PER_EXPERT["fp8" if c.fp8 else "bf16"] * c.e_loc * per_launch
+    return 3 * per_fwd[kind] * per_op + experts
 
 
 def item_cost(c: _Ctx, kind: str) -> ItemCost:
