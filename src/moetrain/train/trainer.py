@@ -27,6 +27,7 @@ from moetrain.parallel.comm import named_phase
 from moetrain.parallel.config import V_SCHEDULES
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
+from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
 from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint,
                                        save_checkpoint)
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
@@ -151,7 +152,10 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
     try:
         ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
         try:
-            return _run(job, prep, ctx, dry_run, stop, progress, report_stop)
+            # CPU "bf16": bf16 GEMM numerics computed by fp32 kernels, as torch's CPU bf16 GEMM kernels are a slow
+            # fallback on CPUs without bf16 instructions (moetrain.precision.cpu_bf16, docs/fp8.md).
+            with cpu_bf16_gemms(ctx.device, autocast_dtype(job, ctx.device)):
+                return _run(job, prep, ctx, dry_run, stop, progress, report_stop)
         finally:
             shutdown()
     except Exception as e:  # noqa: BLE001 - every failure reaches the user in one line, with its log
