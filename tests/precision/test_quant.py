@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from moetrain.precision.quant import (E4M3_MAX, FP8_DTYPE, cast_e4m3, expand_tiles, fake_quantise, quantise,
-                                      scales_from_amax, tile_amax)
+from moetrain.precision.quant import (E4M3_MAX, FP8_DTYPE, cast_e4m3, e4m3_to_float, expand_tiles, fake_quantise,
+                                      quantise, scales_from_amax, tile_amax)
 
 
 def test_cast_e4m3_rounds_to_nearest_even_and_saturates():
@@ -22,6 +22,17 @@ def test_cast_e4m3_rounds_to_nearest_even_and_saturates():
     assert torch.equal(got, want)
     assert torch.isnan(cast_e4m3(torch.tensor([float("nan")])).float()).all()
     assert cast_e4m3(x).dtype == FP8_DTYPE
+
+
+def test_e4m3_to_float_is_torch_conversion_bit_for_bit():
+    # all 256 codes (both NaNs, both zeros, subnormals), and the layouts dequantise meets: transposed, permuted,
+    # strided (which falls back to torch's own conversion), empty
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+    x = codes[torch.randint(0, 256, (3, 40, 70), generator=torch.Generator().manual_seed(0))]
+    for t in (codes, x, x.transpose(-2, -1), x.permute(2, 0, 1), x[:, ::2], x[:0]):
+        got, want = e4m3_to_float(t), t.float()
+        assert got.dtype == torch.float32 and got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # same bits, NaN payloads included
 
 
 def test_cast_e4m3_subnormals():
