@@ -113,7 +113,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
             for _ in range(n_warm):
                 step(run)
         st = run["moe"].dispatcher.stats
-        st.a2a_seconds = st.exposed_seconds = 0.0
+        st.reset_timers()
         st.rows_sent = st.remote_rows_sent = 0
     # Round-robin: one step of every layout per round, so that load from other processes hits all layouts alike.
     for _ in range(n_rounds):

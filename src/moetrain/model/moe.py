@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import SwiGLU
+from moetrain.model.phases import carry, current_tape, defer_weight_grad
 
 DropPolicy = Literal["probs", "position"]
 
@@ -176,7 +177,12 @@ class _GroupedMM(torch.autograd.Function):
                 grad_x = _zero_rows_from(grad_x, offs_E[-1])
         # Rows past offs[-1] and experts with no rows contribute nothing to grad_w; the kernel leaves empty groups'
         # gradient at zero.
-        grad_w = torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            def wgrad() -> torch.Tensor:
+                return torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E)
+            if not defer_weight_grad(w_ENK, wgrad):
+                grad_w = wgrad()
         return grad_x, grad_w, None, None
 
 
@@ -203,7 +209,12 @@ class _BatchedMM(torch.autograd.Function):
         x_ECK, w_ENK = ctx.saved_tensors
         grad_ECN = grad_ECN.to(x_ECK.dtype).contiguous()  # see _GroupedMM.backward
         grad_x = torch.bmm(grad_ECN, w_ENK) if ctx.needs_input_grad[0] else None
-        grad_w = torch.bmm(grad_ECN.transpose(1, 2), x_ECK) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            def wgrad() -> torch.Tensor:
+                return torch.bmm(grad_ECN.transpose(1, 2), x_ECK)
+            if not defer_weight_grad(w_ENK, wgrad):
+                grad_w = wgrad()
         return grad_x, grad_w
 
 
@@ -456,7 +467,8 @@ class CombineHandle(Protocol):
 class Dispatcher(Protocol):
     """Moves tokens to the experts that hold them and back.
 
-    ``dispatch(x_TD, topk_idx_TK, topk_weight_TK)`` starts the move and returns a handle; ``handle.wait()`` gives
+    ``dispatch(x_TD, topk_idx_TK, topk_weight_TK, meanwhile=None)`` starts the move and returns a handle (calling
+    ``meanwhile()`` once, while its count exchange is in flight, or at once without one); ``handle.wait()`` gives
     (x_SD rows grouped by *local* expert, tokens_per_local_expert_El, state). ``combine(y_SD, state)`` starts the
     way back; its handle's ``wait()`` gives y_TD, gate-weighted in fp32 and summed per token. Splitting start and
     wait lets the MoE layer compute the shared experts (or another chunk) while a collective is in flight.
@@ -467,7 +479,8 @@ class Dispatcher(Protocol):
     local_expert_offset: int
     capacity: CapacityConfig
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor) -> DispatchHandle: ...
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                 meanwhile: Callable[[], Any] | None = None) -> DispatchHandle: ...
 
     def combine(self, y_SD: torch.Tensor, state: Any) -> CombineHandle: ...
 
@@ -495,6 +508,34 @@ class DispatchStats:
     # Bytes of those rows on the wire (values, plus scales under FP8 dispatch; metadata not included).
     bytes_sent: int = 0
     remote_bytes_sent: int = 0
+    # The same timers by phase (PHASES): {phase: [a2a seconds, exposed seconds]}.
+    by_phase: dict[str, list[float]] = field(default_factory=dict)
+
+    #: Phases of an MoE layer's all-to-alls: the count exchange, the dispatch (token rows and their metadata), the
+    #: combine, and the backward of dispatch and combine.
+    PHASES = ("counts", "dispatch", "combine", "dispatch backward", "combine backward")
+
+    def add(self, phase: str, a2a_s: float, exposed_s: float) -> None:
+        """Record one collective named ``phase`` (e.g. "dispatch (gate weights) backward") under its PHASES key."""
+        self.a2a_seconds += a2a_s
+        self.exposed_seconds += exposed_s
+        key = phase_key(phase)
+        t = self.by_phase.setdefault(key, [0.0, 0.0])
+        t[0] += a2a_s
+        t[1] += exposed_s
+
+    def reset_timers(self) -> None:
+        self.a2a_seconds = self.exposed_seconds = 0.0
+        self.by_phase = {}
+
+
+def phase_key(phase: str) -> str:
+    """The :attr:`DispatchStats.PHASES` key of a collective's name: "dispatch (counts)" -> "counts",
+    "dispatch (expert ids)" -> "dispatch", "combine backward" -> "combine backward"."""
+    if "(counts)" in phase:
+        return "counts"
+    base = "combine" if phase.startswith("combine") else "dispatch"
+    return f"{base} backward" if phase.endswith("backward") else base
 
 
 class LocalDispatcher:
@@ -507,7 +548,10 @@ class LocalDispatcher:
         self.capacity = capacity or CapacityConfig()
         self.stats = DispatchStats()
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor) -> _Done:
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                 meanwhile: Callable[[], Any] | None = None) -> _Done:
+        if meanwhile is not None:
+            meanwhile()  # no count exchange to hide: run it now
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
         x_SD, counts_E, state = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
         if keep_TK is not None:
@@ -592,10 +636,24 @@ class MoE(nn.Module):
         else:
             balance = x_TD.new_zeros((), dtype=torch.float32)
 
+        # Read again after a dispatch or combine was issued: under a phase tape (EP overlap across micro-batches,
+        # moetrain.model.phases) those reads are cut from this segment's graph.
+        x_later, weight_later, balance_later = carry(x_TD), carry(r.topk_weight_TK), carry(balance)
         n_chunks = max(1, min(self.n_chunks, B))
         chunks = [slice(i * B // n_chunks * L, (i + 1) * B // n_chunks * L) for i in range(n_chunks)]
-        pending = [self.dispatcher.dispatch(x_TD[c], r.topk_idx_TK[c], r.topk_weight_TK[c]) for c in chunks]
-        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None  # overlaps dispatch
+        # The shared experts run while a transfer is in flight: normally the dispatch's token rows; under EP
+        # overlap across micro-batches (a phase tape records) the other micro-batch's backward hides those, and
+        # the shared experts hide the count exchange the rows wait for instead.
+        shared: list[Callable[[], torch.Tensor]] = []  # getter of the shared experts' output (carry)
+
+        def run_shared() -> None:
+            shared.append(carry(self.shared_experts(x_later())))
+        early = self.shared_experts is not None and current_tape() is not None
+        pending = [self.dispatcher.dispatch(x_later()[c], r.topk_idx_TK[c], weight_later()[c],
+                                            run_shared if early and i == 0 else None) for i, c in enumerate(chunks)]
+        if self.shared_experts is not None and not shared:
+            run_shared()
+        shared_later = shared[0] if shared else None
         combines = []
         dropped: torch.Tensor | int = 0
         for handle in pending:
@@ -604,5 +662,5 @@ class MoE(nn.Module):
             y_SD = self.experts(x_SD, tokens_per_expert)
             combines.append(self.dispatcher.combine(y_SD, state))
         routed_TD = torch.cat([c.wait() for c in combines], dim=0).to(x_BLD.dtype)
-        out_TD = routed_TD if shared_TD is None else routed_TD + shared_TD
-        return out_TD.view(B, L, D), MoEStats(counts_E, balance, dropped)
+        out_TD = routed_TD if shared_later is None else routed_TD + shared_later()
+        return out_TD.view(B, L, D), MoEStats(counts_E, balance_later(), dropped)

@@ -41,6 +41,7 @@ from torch import nn
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE, MoEStats
+from moetrain.model.phases import carry
 from moetrain.model.transformer import IGNORE_INDEX, Block, Transformer, ce_sum, mtp_targets
 
 
@@ -210,18 +211,19 @@ class TransformerStage(nn.Module):
             h = h.to(self.act_dtype)
             h = h.clone() if h._is_view() else h
             return h, tokens_BL.clone(), labels_BL.clone()
-        sums = [ce_sum(self.lm_head, self.norm, h, labels_BL)]
+        # Each sum (and the embedding) is read after the MTP modules' all-to-alls (moetrain.model.phases).
+        sums = [carry(ce_sum(self.lm_head, self.norm, h, labels_BL))]
         if self.mtp:
-            emb = self.embed_tokens(tokens_BL)
+            emb = carry(self.embed_tokens(tokens_BL))
             h_k = h
             for key, module in self.mtp.items():
                 k = int(key) + 1
-                emb_k, labels_k = mtp_targets(emb, labels_BL, k)
+                emb_k, labels_k = mtp_targets(emb(), labels_BL, k)
                 h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
                 if s is not None:
                     h_k = self._account(self._mtp_moe_index[k - 1], s, h_k)
-                sums.append(ce_sum(self.lm_head, module.norm, h_k, labels_k))
-        return torch.stack(sums)
+                sums.append(carry(ce_sum(self.lm_head, module.norm, h_k, labels_k)))
+        return torch.stack([get() for get in sums])
 
 
 def whole_model_spec(cfg: ModelConfig) -> StageSpec:

@@ -19,6 +19,7 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.init import ShardBox, full_box, normal_box_
 from moetrain.model.layers import RMSNorm, SwiGLU, rope_cos_sin
 from moetrain.model.moe import MoE, MoEStats
+from moetrain.model.phases import carry
 
 IGNORE_INDEX = -100
 
@@ -52,8 +53,9 @@ class Block(nn.Module):
         x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), cos, sin)
         h = self.post_attention_layernorm(x_BLD)
         if isinstance(self.mlp, MoE):
+            residual = carry(x_BLD)  # read after the MoE's all-to-alls (moetrain.model.phases)
             y, stats = self.mlp(h, valid_BL)
-            return x_BLD + y, stats
+            return residual() + y, stats
         return x_BLD + self.mlp(h), None
 
 
@@ -177,6 +179,7 @@ class Transformer(nn.Module):
         cos, sin = self._rope(L, tokens_BL.device)
         emb_BLD = self.embed_tokens(tokens_BL)
         h = emb_BLD
+        emb_later = carry(emb_BLD)  # the MTP modules read it again, after every layer's all-to-alls
         stats: list[MoEStats] = []
         # Expert loads and the balance loss count real tokens only: a position whose label is IGNORE_INDEX (padding)
         # is computed but not counted (DeepSeek-V3's statistics are over a sequence's tokens).
@@ -196,14 +199,18 @@ class Transformer(nn.Module):
             else:
                 out.lm_loss_sum = ce_sum(self.lm_head, self.norm, h, labels_BL)
             out.n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
+            # Each sum is read after the later MTP modules' all-to-alls (moetrain.model.phases).
+            lm_later, mtp_later = carry(out.lm_loss_sum), []
             h_k = h
             for k, module in enumerate(self.mtp, start=1):
-                emb_k, labels_k = mtp_targets(emb_BLD, labels_BL, k)
+                emb_k, labels_k = mtp_targets(emb_later(), labels_BL, k)
                 h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
                 if s is not None:
                     stats.append(s)
-                out.mtp_loss_sums.append(ce_sum(self.lm_head, module.norm, h_k, labels_k))
+                mtp_later.append(carry(ce_sum(self.lm_head, module.norm, h_k, labels_k)))
                 out.mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
+            out.lm_loss_sum = lm_later()
+            out.mtp_loss_sums = [get() for get in mtp_later]
         out.moe_stats = stats
         if stats:
             out.balance_loss_sum = torch.stack([s.balance_loss_sum for s in stats]).sum()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,7 @@ class Pending:
             # If the work finished before we started waiting, its duration is issue -> completion callback;
             # otherwise it ended while we waited (t1 bounds it; the callback may run late). So exposed <= total.
             done = self.t_done[0] if self.t_done and self.t_done[0] < t0 else t1
-            self.stats.a2a_seconds += done - self.t_issue
-            self.stats.exposed_seconds += t1 - t0
+            self.stats.add(self.phase, done - self.t_issue, t1 - t0)
         self.work, self.waited = None, True
 
 
@@ -130,12 +129,18 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return out, box[0]
 
 
-def all_to_all_counts(counts: torch.Tensor, group: Any, phase: str, stats: DispatchStats | None) -> torch.Tensor:
-    """Exchange per-destination counts (equal splits, not differentiable, synchronous). counts: (EP, ...)."""
+def all_to_all_counts(counts: torch.Tensor, group: Any, phase: str, stats: DispatchStats | None,
+                      meanwhile: Callable[[], Any] | None = None) -> torch.Tensor:
+    """Exchange per-destination counts (equal splits, not differentiable). counts: (EP, ...). Returns when the
+    exchange is done; ``meanwhile`` (if given) runs while it is in flight, and only the wait after it counts as
+    exposed."""
     out = torch.empty_like(counts)
     try:
         work = dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
     except RuntimeError as e:
         raise name_collective_error(phase, e) from e
-    Pending(work, phase, stats).wait(exposed_from_issue=True)
+    pending = Pending(work, phase, stats)
+    if meanwhile is not None:
+        meanwhile()
+    pending.wait(exposed_from_issue=meanwhile is None)
     return out

@@ -48,6 +48,9 @@ class ParallelConfig:
             half the bytes of BF16). The combine stays in high precision. Used by the alltoall dispatcher.
         n_chunks: split each micro-batch's tokens into this many chunks so one chunk's all-to-all overlaps another's
             expert GEMMs (1 = off).
+        ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
+            all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
+            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; PP = 1.
         activation_checkpointing: recompute each block in backward.
         timeout_s: collective timeout; a hang ends with an error naming the phase.
     """
@@ -66,6 +69,7 @@ class ParallelConfig:
     dedup: bool = True
     dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     n_chunks: int = 1
+    ep_overlap: bool = False
     activation_checkpointing: bool = False
     timeout_s: float = 300.0
 
@@ -100,6 +104,17 @@ class ParallelConfig:
             raise ConfigError(f"parallel.dispatch_dtype={self.dispatch_dtype!r}; allowed: 'bf16', 'fp8'")
         if not isinstance(self.n_chunks, int) or self.n_chunks < 1:
             raise ConfigError(f"parallel.n_chunks={self.n_chunks!r} must be an integer >= 1")
+        if not isinstance(self.ep_overlap, bool):
+            raise ConfigError(f"parallel.ep_overlap={self.ep_overlap!r} must be true or false")
+        if self.ep_overlap:
+            clash = [f"parallel.{k}={v}" for k, v, bad in (
+                ("pp", self.pp, self.pp > 1), ("activation_checkpointing", "true", self.activation_checkpointing),
+                ("n_chunks", self.n_chunks, self.n_chunks > 1), ("overlap", "false", not self.overlap)) if bad]
+            if clash:
+                raise ConfigError(
+                    f"parallel.ep_overlap=true does not combine with {', '.join(clash)}: the paired schedule runs "
+                    f"without pipelining, recomputation or token chunks, with asynchronous all-to-alls "
+                    f"(parallel.overlap=true); drop those settings or set parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 

@@ -55,13 +55,14 @@ S rows sent, N rows received, A local assignments (rows after expansion at the d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
                                 permute, unpermute)
+from moetrain.model.phases import carry, current_tape
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, name_collective_error
 from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
 
@@ -87,6 +88,7 @@ class _A2AState:
     pad_slots: torch.Tensor | None
     out_dtype: torch.dtype
     dropped: torch.Tensor | int = 0
+    weight_later: Any = None  # getter of permute_state.row_weight_S, read at the combine (moetrain.model.phases)
 
 
 class _DispatchHandle:
@@ -112,7 +114,10 @@ class _CombineHandle:
 
     def wait(self) -> torch.Tensor:
         self.pending.wait()
-        return unpermute(self.rows_S, self.state.permute_state, self.state.out_dtype)
+        ps = self.state.permute_state
+        if self.state.weight_later is not None:
+            ps.row_weight_S = self.state.weight_later()
+        return unpermute(self.rows_S, ps, self.state.out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -297,23 +302,27 @@ class AllToAllDispatcher:
         self.overlap = overlap
         self.dedup = dedup and self.capacity.factor is None
         self.stats = DispatchStats()
+        self.layer = 0  # global MoE index, for phase labels (set by parallelize)
 
-    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
-                 ) -> _DispatchHandle | _DedupDispatchHandle:
+    def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                 meanwhile: Callable[[], Any] | None = None) -> _DispatchHandle | _DedupDispatchHandle:
+        """Start the dispatch (see the module docstring); ``meanwhile`` runs while the count exchange is in
+        flight (the one exchange the rows wait for)."""
         if self.dedup:
-            return self._dispatch_dedup(x_TD, topk_idx_TK, topk_weight_TK)
+            return self._dispatch_dedup(x_TD, topk_idx_TK, topk_weight_TK, meanwhile)
         R, El = self.ep_size, self.n_local_experts
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
         send_counts_RE = counts_E.view(R, El)
-        recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats)
+        recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats, meanwhile)
         splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
         rows_N, pending = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch", rows=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
         self._count_rows(send_splits, x_SD)
         state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
-                          (~keep_TK).sum() if keep_TK is not None else 0)
+                          (~keep_TK).sum() if keep_TK is not None else 0, carry(pstate.row_weight_S))
+        self._boundary("dispatch")
         return _DispatchHandle(self, rows_N, pending, state, recv_counts_RE, capacity)
 
     def combine(self, y_local: torch.Tensor, state: _A2AState | _DedupState
@@ -327,12 +336,13 @@ class AllToAllDispatcher:
         inverse_N[state.regroup_N] = torch.arange(state.regroup_N.numel(), device=state.regroup_N.device)
         rows_N = y_local[inverse_N]
         rows_S, pending = self._all_to_all(rows_N, state.send_splits, state.recv_splits, "combine")
+        self._boundary("combine")
         return _CombineHandle(rows_S, pending, state)
 
     # -- deduplicated path ---------------------------------------------------------------------------------------
 
-    def _dispatch_dedup(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor
-                        ) -> _DedupDispatchHandle:
+    def _dispatch_dedup(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                        meanwhile: Callable[[], Any] | None = None) -> _DedupDispatchHandle:
         """Send each token once to every rank holding at least one of its experts, with the gate weights and local
         expert ids of the experts it has there. x_TD (T, D), topk_idx_TK (T, K) int64, topk_weight_TK (T, K) fp32."""
         R, El, E = self.ep_size, self.n_local_experts, self.n_experts
@@ -348,7 +358,7 @@ class AllToAllDispatcher:
         assign_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(
             0, topk_idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
         counts_RC = torch.cat([mask_RT.sum(dim=1, keepdim=True), assign_E.view(R, El)], dim=1)
-        recv_counts_RC = all_to_all_counts(counts_RC, self.group, "dispatch (counts)", self.stats)
+        recv_counts_RC = all_to_all_counts(counts_RC, self.group, "dispatch (counts)", self.stats, meanwhile)
         send_splits, recv_splits, recv_assign = torch.stack(
             [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
         S = sum(send_splits)
@@ -372,6 +382,7 @@ class AllToAllDispatcher:
         rows_ND, pend_x = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch", rows=True)
         self._count_rows(send_splits, x_SD)
         state = _DedupState(token_S, send_splits, recv_splits, T, x_TD.dtype)
+        self._boundary("dispatch")
         return _DedupDispatchHandle(rows_ND, weight_NK, local_NK, [pend_w, pend_l, pend_x], recv_counts_RC,
                                     sum(recv_assign), state)
 
@@ -383,19 +394,42 @@ class AllToAllDispatcher:
         y32_AD = y_AD.float() * state.weight_A.unsqueeze(-1)
         rows_ND = y32_AD.new_zeros(state.n_recv, y_AD.shape[-1]).index_add_(0, state.row_A, y32_AD).to(y_AD.dtype)
         rows_SD, pending = self._all_to_all(rows_ND, state.send_splits, state.recv_splits, "combine")
+        self._boundary("combine")
         return _DedupCombineHandle(rows_SD, pending, state)
 
     def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], phase: str,
                     rows: bool = False) -> tuple[torch.Tensor, Pending | _Fp8Pending]:
         """Start one named all-to-all on the EP group; with overlap off, wait for it at once (all of it exposed).
-        ``rows``: the dispatched token rows, which travel in ``dispatch_dtype``."""
+        ``rows``: the dispatched token rows, which travel in ``dispatch_dtype``.
+
+        While a phase tape records (EP overlap across micro-batches, ``moetrain.model.phases``), the all-to-all is
+        issued outside autograd and recorded on the tape with its reverse, which the tape issues asynchronously
+        when its backward reaches this point."""
+        tape = current_tape()
+        src = x
+        if tape is not None:
+            x = x.detach()
         if rows and self.dispatch_dtype == "fp8":
             out, pending = fp8_all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
         else:
             out, pending = all_to_all(x, out_splits, in_splits, self.group, phase, self.stats)
+        if tape is not None and src.requires_grad:
+            group, stats = self.group, self.stats
+
+            def reverse(grad: torch.Tensor) -> tuple[torch.Tensor, Pending]:
+                # Straight-through for FP8 rows: the gradient goes back in its own dtype.
+                return all_to_all(grad.contiguous(), in_splits, out_splits, group, f"{phase} backward", stats)
+            out = tape.comm(src, out, reverse, phase)
         if not self.overlap:
             pending.wait(exposed_from_issue=True)
         return out, pending
+
+    def _boundary(self, phase: str) -> None:
+        """The all-to-alls of ``phase`` are issued: under a phase tape this ends a segment (the paired micro-batch
+        runs a backward step while they are in flight)."""
+        tape = current_tape()
+        if tape is not None:
+            tape.boundary(f"layer{self.layer} {phase}")
 
     def _count_rows(self, send_splits: list[int], x_SD: torch.Tensor) -> None:
         self.stats.calls += 1

@@ -56,13 +56,15 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     if kind == "local" and pcfg.ep > 1:
         raise ValueError(f"dispatcher 'local' cannot move tokens between EP={pcfg.ep} ranks; use 'alltoall'")
     # 1. expert parallelism
-    for moe in model.moe_layers():
+    moe_index = model.moe_indices() if hasattr(model, "moe_indices") else range(len(model.moe_layers()))
+    for m_idx, moe in zip(moe_index, model.moe_layers()):
         E = moe.gate.n_experts
         if kind == "alltoall":
             if not ctx.distributed:
                 raise ValueError("dispatcher 'alltoall' needs a process group; launch with torchrun")
             moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
                                                 pcfg.dedup, dispatch_dtype=pcfg.dispatch_dtype)
+            moe.dispatcher.layer = m_idx
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
         if ctx.distributed:
@@ -83,7 +85,9 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         # schedules compute weight gradients after the input gradients: parameters stay gathered from the first
         # forward to the end of the step (as TorchTitan does under PP), one all-gather per stage and step instead
         # of one per micro-batch and pass.
-        keep = pcfg.pp > 1
+        # The same holds for EP overlap, whose backward is many autograd calls interleaved with another
+        # micro-batch's forward (moetrain.parallel.overlap).
+        keep = pcfg.pp > 1 or pcfg.ep_overlap
         for moe in model.moe_layers():
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
             fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,

@@ -47,13 +47,14 @@ class LocalPrediction:
 
 def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accum: int, world: int = 2,
                ep: int = 2, activation_checkpointing: bool = False, precision: str = "fp32", pp: int = 1,
-               vpp: int = 1, schedule: str = "1f1b", pp_layout: str | None = None) -> Plan:
+               vpp: int = 1, schedule: str = "1f1b", pp_layout: str | None = None, ep_overlap: bool = False) -> Plan:
     """The :class:`Plan` of a local ``moetrain train`` run: PP stages of DP = world / PP ranks each, EP carved out
     of a stage's ranks, FSDP2; ``schedule`` and ``vpp`` as ``parallel.pp_schedule`` / ``parallel.vpp`` (the trainer's
-    names; ``grad_accum`` micro-batches per step)."""
+    names; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
+    "paired-microbatch" schedule at PP = 1)."""
     return Plan(tp=1, pp=pp, vpp=vpp if pp > 1 else 1, ep=ep, cp=1, dp=world // pp, micro_batch=micro_batch,
                 global_batch=micro_batch * grad_accum * (world // pp), seq_len=seq_len, precision=precision,
-                recompute="full" if activation_checkpointing else "none", ep_overlap=False,
+                recompute="full" if activation_checkpointing else "none", ep_overlap=ep_overlap,
                 routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32", fsdp=True,
                 schedule=schedule if pp > 1 else None, pp_layout=pp_layout if pp > 1 else None,
                 name="local moetrain train")

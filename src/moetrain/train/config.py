@@ -40,6 +40,9 @@ class TrainConfig:
             blocks, fp32 scales) or "mxfp8" (OCP MX: 32-element blocks, E8M0 scales). Dense, shared-expert and
             routed-expert FFNs, MLA projections; embedding, head, router, norms and attention stay high precision
             (docs/fp8.md). Emulated exactly (quantise, fp32 GEMM) where the hardware has no FP8 GEMM.
+        profile_steps: optimizer steps (1-based) to record with ``torch.profiler``; each writes a Chrome trace
+            ``out_dir/profile/step<N>-rank<r>.json`` (open in Perfetto or chrome://tracing), where EP overlap's
+            forward and backward segments of the paired micro-batches appear as named ranges.
     """
 
     steps: int = 400
@@ -70,8 +73,16 @@ class TrainConfig:
     init_from: str | None = None
     allow_schedule_change: bool = False
     fp8: Literal["none", "blockwise", "mxfp8"] = "none"
+    profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.profile_steps, int) and not isinstance(self.profile_steps, bool):
+            self.profile_steps = (self.profile_steps,)
+        if (not isinstance(self.profile_steps, (list, tuple))
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.profile_steps)):
+            raise ConfigError(f"train.profile_steps={self.profile_steps!r} must be a list of step numbers >= 1, "
+                              f"e.g. --set 'train.profile_steps=[5,6]'")
+        self.profile_steps = tuple(self.profile_steps)
         for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

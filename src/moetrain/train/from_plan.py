@@ -14,14 +14,15 @@ micro_batch                 train.micro_batch_size (sequences)
 global_batch                train.grad_accum = global_batch / (dp x micro_batch) (micro-batches per step)
 seq_len                     data.seq_len
 recompute "full" / "none"   parallel.activation_checkpointing true / false
+ep_overlap (PP = 1)         parallel.ep_overlap (micro-batch i+1's forward paired with i's backward)
 routing "real" / "balanced" model.routing "learned" / "balanced"
 model (a preset name)       model.preset
 pp x dp (x tp x cp)         the number of processes (train.nproc for a local launch)
 ==========================  ===========================================================================
 
 What the trainer cannot run yet is refused, all of it in one message: tensor or context parallelism, FP8 GEMMs,
-FP8 attention or dispatch, selective recompute, expert all-to-all overlap across micro-batches, optimizer states
-below fp32, FP8 primary weights.
+FP8 attention, selective recompute, expert all-to-all overlap under pipelining (PP > 1), optimizer states below
+fp32, FP8 primary weights.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
     if g("recompute", "none") == "selective":
         missing.append(f"selective recompute ({g('recompute_modules')}); the trainer recomputes whole blocks "
                        f"(--recompute full) or nothing (--recompute none)")
-    if g("ep_overlap"):
-        missing.append("expert all-to-all overlap across micro-batches (ep_overlap; use --no-ep-overlap)")
+    if g("ep_overlap") and g("pp", 1) > 1:
+        missing.append("expert all-to-all overlap under pipelining (ep_overlap with pp > 1; the trainer pairs "
+                       "micro-batches at pp = 1 only; use --no-ep-overlap)")
     if g("optimizer", "fp32") != "fp32":
         missing.append(f"{g('optimizer')} optimizer states (the trainer keeps fp32; use --optimizer fp32)")
     if g("fp8_param"):
@@ -112,6 +114,8 @@ def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
             f"model.routing={json.dumps('balanced' if g('routing') == 'balanced' else 'learned')}"]
     if g("seq_len"):
         sets.append(f"data.seq_len={g('seq_len')}")
+    if g("ep_overlap") and ep > 1:
+        sets.append("parallel.ep_overlap=true")
     if g("pp_layout"):
         sets.append(f"parallel.pp_layout={json.dumps(g('pp_layout'))}")
     if g("precision") in ("fp8", "mxfp8"):

@@ -103,6 +103,10 @@ class MetricsSink:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
+            for m, phases in enumerate(record.get("a2a_s_per_layer_phase", [])):
+                for phase, (total, exposed) in phases.items():
+                    self.tb.add_scalar(f"a2a/moe{m}/{phase}/total_s", total, step)
+                    self.tb.add_scalar(f"a2a/moe{m}/{phase}/exposed_s", exposed, step)
 
     def print(self, text: str) -> None:
         self.console.print(text, markup=False)

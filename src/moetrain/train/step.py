@@ -214,7 +214,7 @@ def _stats(part: Any) -> StageStats:
 def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: torch.optim.Optimizer,
                micro_batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig, ctx: ParallelContext,
                max_grad_norm: float = 1.0, autocast_dtype: torch.dtype | None = None,
-               bias_update_rate: float | None = None) -> StepResult:
+               bias_update_rate: float | None = None, events: list | None = None) -> StepResult:
     """Forward/backward every micro-batch, then clip, step the optimizer and update the expert biases.
 
     Args:
@@ -226,6 +226,8 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
         max_grad_norm: clip threshold (<= 0 disables clipping; the norm is still measured).
         autocast_dtype: e.g. torch.bfloat16 on GPU; None = full precision.
         bias_update_rate: gamma for auxiliary-loss-free balancing (default cfg.bias_update_rate).
+        events: with ``parallel.ep_overlap``, a list that receives the phase events of the paired micro-batches
+            (``moetrain.model.phases.Tape``), in execution order.
 
     Raises:
         CollectiveError: a collective (dispatch, combine, gradient sync ...) failed or timed out; names the phase.
@@ -252,7 +254,22 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
             p._step_stats = StageStats()
     amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     pipeline_s = bubble_s = 0.0
-    if mp.schedule is None:
+    if mp.schedule is None and ctx.pcfg.ep_overlap:
+        # Micro-batch i+1's forward paired with micro-batch i's backward, phase by phase (moetrain.parallel.overlap).
+        from moetrain.parallel.overlap import defer_fsdp_reduction, finish_fsdp_reduction, run_paired
+        part = mp.parts[0]
+        defer_fsdp_reduction(part)
+
+        def forward(i: int) -> torch.Tensor:
+            x, y = micro_batches[i]
+            with amp:
+                return objective(_forward_sums(part, x, y, balance_scale))
+        with named_phase("forward/backward with EP overlap (expert dispatch, combine or their backward)",
+                         ctx.distributed):
+            run_paired(forward, len(micro_batches), device.type, events, part)
+        with named_phase("gradient sync", ctx.distributed):
+            finish_fsdp_reduction(part)
+    elif mp.schedule is None:
         part = mp.parts[0]
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1

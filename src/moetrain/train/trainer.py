@@ -225,6 +225,17 @@ def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | N
     return ModelParts(parts, schedule, stages, objective, group, sync)
 
 
+def _profiled_step(path: Path, ctx: ParallelContext, step: Any) -> Any:
+    """Run ``step()`` under ``torch.profiler`` (CPU, and CUDA where present) and write its Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        result = step()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    return result
+
+
 def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool, stop: StopRequest,
          progress: dict[str, Any], report_stop: bool) -> dict[str, Any]:
     tc, cfg = job.train, job.model
@@ -301,7 +312,11 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
         set_lr(optimizer, lr)
         batches = [loader.next_batch() for _ in range(tc.grad_accum)]
         batches = [(x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)) for x, y in batches]
-        result = train_step(model, optimizer, batches, cfg, ctx, tc.max_grad_norm, amp)
+        if step + 1 in tc.profile_steps:
+            result = _profiled_step(Path(tc.out_dir) / "profile" / f"step{step + 1}-rank{ctx.rank}.json", ctx,
+                                    lambda: train_step(model, optimizer, batches, cfg, ctx, tc.max_grad_norm, amp))
+        else:
+            result = train_step(model, optimizer, batches, cfg, ctx, tc.max_grad_norm, amp)
         if not math.isfinite(result.loss):
             fix = (f"resume from the last good checkpoint {last_ckpt} with a lower train.lr (--resume --set "
                    f"train.lr=... --set train.allow_schedule_change=true)" if last_ckpt else
@@ -331,6 +346,9 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                    "a2a_share_of_step": exposed / dt if dt > 0 else 0.0,
                    "a2a_s_per_layer": [m.dispatcher.stats.a2a_seconds / window_steps for m in moe_layers],
                    "a2a_exposed_s_per_layer": [m.dispatcher.stats.exposed_seconds / window_steps for m in moe_layers],
+                   # Per MoE layer and phase (DispatchStats.PHASES): [a2a s, exposed s] per step.
+                   "a2a_s_per_layer_phase": [{k: [v[0] / window_steps, v[1] / window_steps]
+                                              for k, v in m.dispatcher.stats.by_phase.items()} for m in moe_layers],
                    "dispatch_bytes_per_step": sum(getattr(m.dispatcher.stats, "bytes_sent", 0)
                                                   for m in moe_layers) / window_steps,
                    "dispatch_remote_bytes_per_step": sum(getattr(m.dispatcher.stats, "remote_bytes_sent", 0)
@@ -353,7 +371,7 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                            + (f" | bubble {100 * rec['pp_bubble_share']:.0f}% (formula "
                               f"{100 * bubble_expected:.0f}%)" if pcfg.pp > 1 else ""))
             for m in moe_layers:
-                m.dispatcher.stats.a2a_seconds = m.dispatcher.stats.exposed_seconds = 0.0
+                m.dispatcher.stats.reset_timers()
                 if hasattr(m.dispatcher.stats, "bytes_sent"):
                     m.dispatcher.stats.bytes_sent = m.dispatcher.stats.remote_bytes_sent = 0
             window_t, window_tokens, window_steps = time.perf_counter(), 0, 0
