@@ -10,11 +10,13 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from moetrain.model.config import get_preset
 from moetrain.model.transformer import build_model
 from moetrain.precision import BLOCKWISE
-from moetrain.precision.cpu_bf16 import EMULATED_GEMMS, EMULATION_RTOL, EmulatedBf16Gemms, cpu_bf16_gemms
+from moetrain.precision.cpu_bf16 import (EMULATED_GEMMS, EMULATION_RTOL, EmulatedBf16Gemms, cpu_bf16_gemms,
+                                         suspended)
 from moetrain.precision.linear import Fp8Linear
 
 BF = torch.bfloat16
@@ -134,6 +136,28 @@ def test_fp32_and_fp8_gemms_pass_through_bit_for_bit():
             got8 = fp8(x)
     assert torch.equal(mm, torch.mm(a, b)) and torch.equal(got8, ref8) and got8.dtype == BF
     assert counting.gemms == []
+
+
+def test_suspended_lifts_only_an_innermost_emulation():
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    a = _bf16(8, 8)
+    with EmulatedBf16Gemms() as emu:
+        with suspended():
+            assert _get_current_dispatch_mode() is None
+            assert torch.equal(a @ a, torch.mm(a, a))  # torch's own kernel while lifted
+        assert _get_current_dispatch_mode() is emu
+        with Spy() as spy, suspended():
+            torch.ones(2).add(1)
+            assert _get_current_dispatch_mode() is spy
+    assert "add.Tensor" in seen
+    with suspended():  # no mode at all
+        assert _get_current_dispatch_mode() is None
 
 
 def test_cpu_bf16_gemms_only_for_cpu_bf16():

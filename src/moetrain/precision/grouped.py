@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
 from moetrain.precision.quant import Quantized, quantise
 from moetrain.precision.recipe import Fp8Recipe
 
@@ -118,6 +119,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @runs_no_bf16_gemm
     def forward(ctx: Any, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: Fp8Recipe,
                 out_dtype: torch.dtype) -> torch.Tensor:
         xq = quantise(x_PK, recipe.row_tile, recipe.fmt)
@@ -132,6 +134,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         return y.to(out_dtype)
 
     @staticmethod
+    @runs_no_bf16_gemm
     def backward(ctx: Any, dy_PN: torch.Tensor):  # type: ignore[override]
         r: Fp8Recipe = ctx.recipe
         if r.requantise_saved_input:
@@ -161,6 +164,7 @@ def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor
     return Fp8GroupedMMFunction.apply(x_PK, w_ENK, offs_E, recipe, out_dtype or x_PK.dtype)
 
 
+@runs_no_bf16_gemm
 def fp8_expert_swiglu(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                       tokens_per_expert_E: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype,
                       counts: list[int] | None = None) -> torch.Tensor:

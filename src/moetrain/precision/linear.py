@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moetrain.precision.gemm import fp8_mm
+from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
 from moetrain.precision.quant import Quantized, quantise
 from moetrain.precision.recipe import Fp8Recipe
 
@@ -35,6 +36,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @runs_no_bf16_gemm
     def forward(ctx: Any, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
         out_dtype = _out_dtype(x_MK)
         xq = quantise(x_MK, recipe.row_tile, recipe.fmt)
@@ -50,6 +52,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         return y.to(out_dtype)
 
     @staticmethod
+    @runs_no_bf16_gemm
     def backward(ctx: Any, dy_MN: torch.Tensor):  # type: ignore[override]
         r: Fp8Recipe = ctx.recipe
         if r.requantise_saved_input:
