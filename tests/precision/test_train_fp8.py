@@ -14,6 +14,7 @@ from moetrain.model.config import get_preset
 from moetrain.model.moe import GroupedExperts
 from moetrain.model.transformer import build_model
 from moetrain.precision import apply_fp8
+from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
 from moetrain.precision.linear import Fp8Linear
 from moetrain.model.config import ConfigError
 from moetrain.train.config import TrainConfig
@@ -51,10 +52,11 @@ def _train(model: nn.Module, cfg, batches) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     losses = []
     for tok, lab in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(tok, lab)
-        loss = out.lm_loss_sum / out.n_loss_tokens
-        (out.loss(cfg)).backward()
+        with cpu_bf16_gemms("cpu", torch.bfloat16):  # the trainer's CPU bf16 (docs/fp8.md)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(tok, lab)
+            loss = out.lm_loss_sum / out.n_loss_tokens
+            (out.loss(cfg)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -27,6 +27,7 @@ import functools
 from typing import Any, Callable, TypeVar
 
 import torch
+# torch has no public way to lift one dispatch mode for a region; these are the helpers its own modes use
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 aten = torch.ops.aten
