@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config import ModelConfig
-from moetrain.model.layers import RMSNorm, apply_rope
+from moetrain.model.layers import Linear, RMSNorm, apply_rope
 
 
 # The latent norms use a fixed epsilon in DeepSeek's reference code and in HF, whatever rms_norm_eps says.
@@ -42,15 +42,15 @@ class MLA(nn.Module):
         self.softmax_scale = cfg.softmax_scale
         H = cfg.n_heads
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(cfg.dim, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * self.qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(cfg.dim, H * self.qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_proj = Linear(cfg.dim, H * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, cfg.dim, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, cfg.dim, bias=False)
 
     def forward(self, x_BLD: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor) -> torch.Tensor:
         B, L, _ = x_BLD.shape

@@ -1,4 +1,4 @@
-"""Basic layers: RMSNorm, rotary position embedding with YaRN, SwiGLU FFN.
+"""Basic layers: RMSNorm, rotary position embedding with YaRN, a linear with delayable weight gradient, SwiGLU FFN.
 
 Shape legend: B batch, L sequence length, H heads, R rotary dim (qk_rope_head_dim), D model dim, F FFN dim.
 """
@@ -6,12 +6,14 @@ Shape legend: B batch, L sequence length, H heads, R rotary dim (qk_rope_head_di
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config import ModelConfig
+from moetrain.model.phases import current_tape, defer_weight_grad
 
 
 class RMSNorm(nn.Module):
@@ -97,6 +99,47 @@ def apply_rope(x: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, inte
     return out.to(x.dtype)
 
 
+class _LinearDeferredWgrad(torch.autograd.Function):
+    """y = x @ w^T with the weight gradient grad_y^T @ x deferrable (:func:`moetrain.model.phases.defer_weight_grad`).
+    x (..., K), w (N, K) -> (..., N); operands already in the compute dtype (autocast off inside)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        grad = grad.to(x.dtype)
+        grad_x = grad @ w if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            def wgrad() -> torch.Tensor:
+                return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            if not defer_weight_grad(w, wgrad):
+                grad_w = wgrad()
+        return grad_x, grad_w
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without bias whose weight gradient can be delayed: while a phase tape records (EP overlap across
+    micro-batches, :mod:`moetrain.model.phases`), its backward computes the input gradient at once and queues the
+    weight gradient to run after the step's reverse all-to-all is issued (Megatron-Core's ``--delay-wgrad-compute``
+    for the attention and shared-expert projections). Otherwise it is ``F.linear``. Same parameter, name and
+    state-dict key as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if current_tape() is None or self.bias is not None:
+            return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dt), w.to(dt)
+        return _LinearDeferredWgrad.apply(x, w)
+
+
 class SwiGLU(nn.Module):
     """SwiGLU FFN (Shazeer 2020): w2(silu(w1 x) * w3 x). Shapes: x (..., D) -> (..., D); hidden F.
 
@@ -105,9 +148,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim, bias=False)
+        self.w2 = Linear(hidden_dim, dim, bias=False)
+        self.w3 = Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

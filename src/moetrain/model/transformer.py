@@ -17,7 +17,7 @@ from torch import nn
 from moetrain.model.attention import MLA
 from moetrain.model.config import ModelConfig
 from moetrain.model.init import ShardBox, full_box, normal_box_
-from moetrain.model.layers import RMSNorm, SwiGLU, rope_cos_sin
+from moetrain.model.layers import Linear, RMSNorm, SwiGLU, rope_cos_sin
 from moetrain.model.moe import MoE, MoEStats
 from moetrain.model.phases import carry
 
@@ -70,7 +70,7 @@ class MTPModule(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.eh_proj = Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.block = Block(cfg, moe=True)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
@@ -148,7 +148,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList([Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layers)])
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.mtp_depth)])

@@ -57,7 +57,7 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
                 recompute="full" if activation_checkpointing else "none", ep_overlap=ep_overlap,
                 routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32", fsdp=True,
                 schedule=schedule if pp > 1 else None, pp_layout=pp_layout if pp > 1 else None,
-                name="local moetrain train")
+                framework="moetrain", name="local moetrain train")
 
 
 def predict_measured(model: Any, gpu: GPUSpec, n_gpus: int, plan: Plan) -> Prediction:

@@ -241,7 +241,22 @@ def _paired_time(self: ItemCost, sm_share: float) -> float:
             + max(cf, 2 * ca / 3 + s * cf) + self.a2a_extra_s)
 
 
+def _solo_time(self: ItemCost, sm_share: float) -> float:
+    """Time of this item for a forward and backward with no partner micro-batch (the first forward and the last
+    backward of a step under moetrain's paired schedule), with the weight gradients delayed until the reverse
+    all-to-all is issued (``moetrain.model.phases.defer_weight_grad``): the forward's transfers are exposed, the
+    backward's combine hides behind the attention part's weight gradient and its dispatch behind the MLP's.
+    Same thirds as :func:`_paired_time`."""
+    c = self.compute_s
+    ca, cm = c * self.attn_share, c * (1 - self.attn_share)
+    df, cf, cb, db = self.a2a_passes
+    s = sm_share
+    return (ca / 3 + df + cm / 3 + cf + ca / 3 + max(cb, ca / 3 + s * cb) + cm / 3 + max(db, cm / 3 + s * db)
+            + self.a2a_extra_s)
+
+
 ItemCost.paired_time = _paired_time  # type: ignore[attr-defined]
+ItemCost.solo_time = _solo_time  # type: ignore[attr-defined]
 
 
 class _Ctx:
@@ -910,6 +925,10 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         t_no, a_no = costs[k].time(False, share)
         if not overlap:
             return t_no, a_no
+        if plan.framework == "moetrain" and plan.pp == 1 and costs[k].a2a_s > 0 and len(costs[k].a2a_passes) == 4:
+            # moetrain's unpaired passes still delay their weight gradients behind the backward all-to-alls
+            t_solo = costs[k].solo_time(share) + costs[k].tp_s + costs[k].cp_s
+            t_no, a_no = t_solo, t_solo - costs[k].compute_s - costs[k].tp_s - costs[k].cp_s
         return (1 - u) * t_ov + u * t_no, (1 - u) * a_ov + u * a_no
 
     times = {k: item_time(k)[0] for k in costs}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from moetrain.model.attention import MLA
-from moetrain.model.layers import SwiGLU
+from moetrain.model.layers import Linear, SwiGLU
 from moetrain.model.moe import GroupedExperts
 from moetrain.precision.linear import Fp8Linear
 from moetrain.precision.recipe import Fp8Recipe, get_recipe
@@ -17,7 +17,7 @@ SWIGLU_LINEARS = ("w1", "w2", "w3")
 
 
 def _fp8_linear(module: nn.Module, recipe: Fp8Recipe) -> None:
-    if type(module) not in (nn.Linear, Fp8Linear):
+    if type(module) not in (nn.Linear, Linear, Fp8Linear):
         raise TypeError(f"apply_fp8 needs the un-parallelized model: found a {type(module).__name__} where an "
                         "nn.Linear was expected (call it before parallelize)")
     module.__class__ = Fp8Linear
