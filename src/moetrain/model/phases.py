@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.profiler import record_function
 
 #: The reverse all-to-all of a recorded forward all-to-all: gradient of its output -> (gradient of its input as a
 #: buffer filled when the handle's ``wait()`` returns, handle).
@@ -114,7 +115,8 @@ class Tape:
         partner: the tape whose backward steps run at this forward's boundaries (or None).
         events: a list the tape appends ``(name, kind, detail)`` records to, in execution order: kind "issue"
             (a forward boundary, detail = phase), "backward" (a backward step, detail = segment index), "bwd-issue"
-            (reverse all-to-alls sent, detail = the phase they reverse). Tests read the interleaving from it.
+            (reverse all-to-alls sent, detail = the phase they reverse), "wgrad" (the step's delayed weight
+            gradients ran, detail = segment index). Tests read the interleaving from it.
         no_autocast: device type whose autocast is switched off during backward steps (a backward runs outside the
             forward's autocast, as ``loss.backward()`` after an autocast forward does).
         around_backward: context-manager factory wrapped around every backward step (the scheduler keeps FSDP's
@@ -203,7 +205,6 @@ class Tape:
             if leaf.grad is not None:
                 outs.append(t)
                 grads.append(leaf.grad)
-        from torch.profiler import record_function
         around = self.around_backward() if self.around_backward is not None else nullcontext()
         wgrads: list[Callable[[], None]] = []
         _WGRAD.append(wgrads)
@@ -253,7 +254,6 @@ class Tape:
         return torch.autocast(self.no_autocast, enabled=False)
 
     def _open_range(self) -> None:
-        from torch.profiler import record_function
         self._range = record_function(f"{self.name} forward seg{len(self.segments) - 1}")
         self._range.__enter__()
 
