@@ -71,9 +71,7 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        # fp32 under autocast too (autocast would cast the linear back to bf16): the scores choose the experts.
-        with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
         if self.score_func == "sigmoid":
             scores_TE = logits_TE.sigmoid()
         else:
