@@ -296,10 +296,16 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         job.notes.append("parallel.ep_overlap pairs micro-batch i+1's forward with micro-batch i's backward; with "
                          "train.grad_accum=1 nothing pairs and only the delayed weight gradients hide the backward "
                          "all-to-alls (--set train.grad_accum=2 or more)")
+    late = [n for n in train.profile_steps if n > train.steps]
+    if late:
+        job.notes.append(f"train.profile_steps {late} lie past train.steps={train.steps}: no trace is written for them")
     if callable(world):
         world = world(job)
     if world is not None and world >= 1:
         _resolve_ep(job, world, user_set="ep" in sections.get("parallel", {}))
+    if job.parallel.ep_overlap and job.parallel.ep == 1:
+        job.notes.append("parallel.ep_overlap at parallel.ep=1: there is no expert all-to-all to hide (the paired "
+                         "schedule still runs, with its delayed weight gradients)")
     return job
 
 

@@ -109,3 +109,16 @@ def test_plan_files_map_ep_overlap_at_pp1_and_refuse_it_under_pipelining():
     assert "parallel.ep_overlap=true" in sets and world == 2
     with pytest.raises(ConfigError, match="pipelining"):
         plan_overrides({**plan.to_dict(), "pp": 2, "dp": 1})
+    with pytest.raises(ConfigError, match="cannot run this plan yet: .*full recompute.*--recompute none"):
+        plan_overrides({**plan.to_dict(), "recompute": "full"})
+
+
+def test_job_notes_for_overlap_that_hides_nothing_and_profile_steps_past_the_end():
+    from moetrain.config import build_job_config
+
+    job = build_job_config({"parallel": {"ep_overlap": True}, "train": {"grad_accum": 1, "steps": 4,
+                                                                        "profile_steps": [2, 9]}}, world=1)
+    text = " ".join(job.notes)
+    assert "train.grad_accum=1" in text and "parallel.ep=1" in text and "[9] lie past train.steps=4" in text
+    with pytest.raises(ConfigError, match=r"train.profile_steps=0 must be a list"):
+        build_job_config({"train": {"profile_steps": 0}})

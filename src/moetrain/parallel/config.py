@@ -50,7 +50,8 @@ class ParallelConfig:
             expert GEMMs (1 = off).
         ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
             all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
-            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; PP = 1.
+            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; PP = 1; not
+            with activation_checkpointing, n_chunks > 1 or overlap = false.
         activation_checkpointing: recompute each block in backward.
         timeout_s: collective timeout; a hang ends with an error naming the phase.
     """

@@ -171,6 +171,10 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
         changes["dp"] = None
     if changes:
         plan = plan.replace(**changes)
+    if plan.ep_overlap and plan.ep > 1 and plan.pp == 1 and plan.overlap_schedule is None:
+        print(f"moetrain plan: note: --ep-overlap pairs micro-batches, and this plan has "
+              f"{plan.n_microbatches if plan.dp else 'one'} per step: nothing is hidden (raise --gbs)",
+              file=sys.stderr)
     return shape, gpu, n, plan, rec
 
 

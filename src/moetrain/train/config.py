@@ -76,13 +76,13 @@ class TrainConfig:
     profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.profile_steps, int) and not isinstance(self.profile_steps, bool):
-            self.profile_steps = (self.profile_steps,)
-        if (not isinstance(self.profile_steps, (list, tuple))
-                or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in self.profile_steps)):
-            raise ConfigError(f"train.profile_steps={self.profile_steps!r} must be a list of step numbers >= 1, "
+        given = self.profile_steps
+        steps = (given,) if isinstance(given, int) and not isinstance(given, bool) else given
+        if (not isinstance(steps, (list, tuple))
+                or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in steps)):
+            raise ConfigError(f"train.profile_steps={given!r} must be a list of step numbers >= 1, "
                               f"e.g. --set 'train.profile_steps=[5,6]'")
-        self.profile_steps = tuple(self.profile_steps)
+        self.profile_steps = tuple(steps)
         for name in ("steps", "micro_batch_size", "grad_accum", "log_every", "keep_ckpts"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -86,6 +86,9 @@ def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
     if g("recompute", "none") == "selective":
         missing.append(f"selective recompute ({g('recompute_modules')}); the trainer recomputes whole blocks "
                        f"(--recompute full) or nothing (--recompute none)")
+    if g("ep_overlap") and g("ep", 1) > 1 and g("recompute", "none") == "full":
+        missing.append("expert all-to-all overlap with full recompute (the trainer's paired schedule runs without "
+                       "recomputation; use --recompute none or --no-ep-overlap)")
     if g("ep_overlap") and g("pp", 1) > 1:
         missing.append("expert all-to-all overlap under pipelining (ep_overlap with pp > 1; the trainer pairs "
                        "micro-batches at pp = 1 only; use --no-ep-overlap)")
