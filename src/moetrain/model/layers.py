@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config import ModelConfig
-from moetrain.model.phases import current_tape, defer_weight_grad
+from moetrain.model.phases import current_tape, weight_grad
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +100,7 @@ def apply_rope(x: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, inte
 
 
 class _LinearDeferredWgrad(torch.autograd.Function):
-    """y = x @ w^T with the weight gradient grad_y^T @ x deferrable (:func:`moetrain.model.phases.defer_weight_grad`).
+    """y = x @ w^T with the weight gradient grad_y^T @ x deferrable (:func:`moetrain.model.phases.weight_grad`).
     x (..., K), w (N, K) -> (..., N); operands already in the compute dtype (autocast off inside)."""
 
     @staticmethod
@@ -114,12 +114,8 @@ class _LinearDeferredWgrad(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grad = grad.to(x.dtype)
         grad_x = grad @ w if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            def wgrad() -> torch.Tensor:
-                return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            if not defer_weight_grad(w, wgrad):
-                grad_w = wgrad()
+        grad_w = (weight_grad(w, lambda: grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1]))
+                  if ctx.needs_input_grad[1] else None)
         return grad_x, grad_w
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import SwiGLU
-from moetrain.model.phases import carry, current_tape, defer_weight_grad
+from moetrain.model.phases import carry, current_tape, weight_grad
 
 DropPolicy = Literal["probs", "position"]
 
@@ -177,12 +177,8 @@ class _GroupedMM(torch.autograd.Function):
                 grad_x = _zero_rows_from(grad_x, offs_E[-1])
         # Rows past offs[-1] and experts with no rows contribute nothing to grad_w; the kernel leaves empty groups'
         # gradient at zero.
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            def wgrad() -> torch.Tensor:
-                return torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E)
-            if not defer_weight_grad(w_ENK, wgrad):
-                grad_w = wgrad()
+        grad_w = (weight_grad(w_ENK, lambda: torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E))
+                  if ctx.needs_input_grad[1] else None)
         return grad_x, grad_w, None, None
 
 
@@ -209,12 +205,8 @@ class _BatchedMM(torch.autograd.Function):
         x_ECK, w_ENK = ctx.saved_tensors
         grad_ECN = grad_ECN.to(x_ECK.dtype).contiguous()  # see _GroupedMM.backward
         grad_x = torch.bmm(grad_ECN, w_ENK) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            def wgrad() -> torch.Tensor:
-                return torch.bmm(grad_ECN.transpose(1, 2), x_ECK)
-            if not defer_weight_grad(w_ENK, wgrad):
-                grad_w = wgrad()
+        grad_w = (weight_grad(w_ENK, lambda: torch.bmm(grad_ECN.transpose(1, 2), x_ECK))
+                  if ctx.needs_input_grad[1] else None)
         return grad_x, grad_w
 
 

@@ -23,7 +23,7 @@ collectives):
   all-to-all inputs and its carried tensors with the gradients their leaves collected, then issue the reverse
   all-to-alls of the communication that fed segment ``s`` and return -- they are waited for at the next step, after
   the partner's forward has computed a segment meanwhile. The routed experts' weight gradients of the step are
-  deferred (:func:`defer_weight_grad`) and computed after that issue, so the reverse all-to-all has them to hide
+  deferred (:func:`weight_grad`) and computed after that issue, so the reverse all-to-all has them to hide
   behind even when no partner forward runs (the last micro-batch of a step).
 
 Pairing (:class:`Tape` ``partner``): at every boundary of a forward, the partner tape (the micro-batch before) runs
@@ -71,17 +71,17 @@ _ACTIVE: list["Tape"] = []
 _WGRAD: list[list[Callable[[], None]]] = []
 
 
-def defer_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> bool:
-    """Delayed weight gradient: inside a tape's backward step, queue ``compute()`` (the gradient of ``weight``, an
-    input of the calling autograd Function) to run after the step's all-to-all is issued, and return True; the
-    caller then returns None for ``weight``'s gradient. Outside a step, return False (compute it now).
+def weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """The gradient of ``weight`` (an input of the calling autograd Function) for its backward to return: ``compute()``
+    now, or -- inside a tape's backward step -- None, with ``compute()`` queued to run after the step's all-to-all is
+    issued (delayed weight gradient, Megatron-Core's ``--delay-wgrad-compute``).
 
     The queued gradient enters autograd through ``weight``'s own graph (e.g. a DTensor's ``to_local``), so it lands
-    in the parameter's ``.grad`` exactly as if it had been returned (Megatron-Core's ``--delay-wgrad-compute``)."""
+    in the parameter's ``.grad`` exactly as if it had been returned."""
     if not _WGRAD:
-        return False
+        return compute()
     _WGRAD[-1].append(lambda: torch.autograd.backward(weight, compute()))
-    return True
+    return None
 
 
 def current_tape() -> "Tape | None":

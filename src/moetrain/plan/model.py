@@ -244,7 +244,7 @@ def _paired_time(self: ItemCost, sm_share: float) -> float:
 def _solo_time(self: ItemCost, sm_share: float) -> float:
     """Time of this item for a forward and backward with no partner micro-batch (the first forward and the last
     backward of a step under moetrain's paired schedule), with the weight gradients delayed until the reverse
-    all-to-all is issued (``moetrain.model.phases.defer_weight_grad``): the forward's transfers are exposed, the
+    all-to-all is issued (``moetrain.model.phases.weight_grad``): the forward's transfers are exposed, the
     backward's combine hides behind the attention part's weight gradient and its dispatch behind the MLP's.
     Same thirds as :func:`_paired_time`."""
     c = self.compute_s
