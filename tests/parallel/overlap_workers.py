@@ -12,12 +12,12 @@ from moetrain.train.step import train_step
 from .pipeline_workers import ACCUM, GLOBAL_SEQS, batch, pipeline_job
 
 
-def overlap_events_run(pcfg_kwargs: dict, n_micro: int = ACCUM) -> dict[str, Any]:
+def overlap_events_run(pcfg_kwargs: dict, n_micro: int = ACCUM, n_layers: int = 4) -> dict[str, Any]:
     """One training step of ``n_micro`` micro-batches; returns the phase events the paired schedule recorded and
     every MoE layer's per-phase all-to-all timers."""
     from moetrain.train.trainer import build_model_parts
 
-    job = pipeline_job(pcfg_kwargs)
+    job = pipeline_job(pcfg_kwargs, n_layers)
     ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
     per = GLOBAL_SEQS // ctx.stage_size
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // n_micro,
@@ -29,4 +29,4 @@ def overlap_events_run(pcfg_kwargs: dict, n_micro: int = ACCUM) -> dict[str, Any
     events: list = []
     r = train_step(mp, opt, mbs, job.model, ctx, events=events)
     phases = [dict(m.dispatcher.stats.by_phase) for _, m in mp.moe_layers()]
-    return {"events": events, "loss": r.loss, "phases": phases}
+    return {"events": events, "loss": r.loss, "phases": phases, "pp_rank": ctx.pp_rank}

@@ -10,6 +10,8 @@ import torch
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
+from moetrain.parallel.overlap import one_f_one_b_order, paired_fraction
+
 from .harness import ok_values, run_ranks, run_single
 from .overlap_workers import overlap_events_run
 from .pipeline_workers import pipeline_train_run
@@ -86,8 +88,118 @@ def test_overlapped_schedule_issues_phases_interleaved():
     assert abs(off[0]["loss"] - ranks[0]["loss"]) <= 1e-5 * abs(off[0]["loss"])
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("kw", [
+    {"pp": 2, "ep": 1, "pp_schedule": "dualpipev"},
+    {"pp": 2, "ep": 2, "pp_schedule": "dualpipev"},
+    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "pp_schedule": "interleaved-1f1b"}, marks=pytest.mark.slow),
+    pytest.param({"pp": 2, "ep": 2, "pp_schedule": "1f1b"}, marks=pytest.mark.slow),
+    pytest.param({"pp": 2, "dp": 2, "ep": 1, "pp_schedule": "dualpipev"}, marks=pytest.mark.slow),
+])
+def test_pipelined_overlap_matches_single_process(reference, kw):
+    """OVERLAP_F_B under pipelining (dualpipev's own pairs; 1F1B's merged steady state): the same losses,
+    parameters and biases as the single process (and so as the schedule without pairing, which test_pipeline
+    checks against the same reference)."""
+    kw = {"dp": 1, **kw, "ep_overlap": True}
+    ranks = ok_values(run_ranks(kw["pp"] * kw["dp"] * kw["ep"], pipeline_train_run, kw, 3))
+    _check_against(reference, ranks, kw)
+
+
+def _pairs(events):
+    """The OVERLAP_F_B pairs in ``events``: (forward tape, backward tape) for every backward step (and its reverse
+    all-to-all) of one tape that ran between two forward boundaries of another."""
+    found = set()
+    for i in range(1, len(events) - 2):
+        (f, k0, _), (b, k1, _), (b2, k2, _), (f2, k3, _) = events[i - 1:i + 3]
+        if (k0, k1, k2, k3) == ("issue", "backward", "bwd-issue", "issue") and f == f2 != b == b2:
+            found.add((f, b))
+    return found
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kw", [
+    {"pp": 2, "ep": 2, "pp_schedule": "dualpipev"},
+    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "pp_schedule": "interleaved-1f1b"}, marks=pytest.mark.slow),
+])
+def test_pipelined_overlap_interleaves_the_paired_chunks(kw):
+    """Each OVERLAP_F_B's forward and backward chunks interleave phase by phase on the rank: between the
+    forward's all-to-all issues run the backward's steps, each issuing its reverse all-to-all."""
+    kw = {"dp": 1, **kw, "ep_overlap": True}
+    ranks = ok_values(run_ranks(4, overlap_events_run, kw, 4, 8))
+    by_pp = {}
+    for r in ranks:
+        by_pp.setdefault(r["pp_rank"], []).append(r["events"])
+    for pp_rank, evs in by_pp.items():
+        assert evs[0] == evs[1], pp_rank  # the EP peers issue the same collectives in the same order
+        events = [e for e in evs[0] if e[1] != "wgrad"]
+        pairs = _pairs(events)
+        assert len(pairs) >= 2, (pp_rank, pairs, events)
+        for f, b in pairs:
+            assert f.split("mb")[0] != b.split("mb")[0] or kw["pp_schedule"] != "dualpipev", (f, b)
+            sub = [(m, k, d) for m, k, d in events if m in (f, b)]
+            start = [x[:2] for x in sub].index((f, "issue"))
+            # The backward's first step (loss, last segment) runs before the forward begins; then one step at each
+            # forward issue while steps are left, each followed by its reverse all-to-all (none before segment 0);
+            # the rest after the forward.
+            steps = list(range(sum(1 for x in sub if x[:2] == (b, "backward")) - 1, -1, -1))
+            n_f = sum(1 for x in sub if x[:2] == (f, "issue"))
+
+            def step():
+                s = steps.pop(0)
+                return [(b, "backward", s)] + ([(b, "bwd-issue")] if s > 0 else [])
+            want = step()
+            for _ in range(n_f):
+                want += [(f, "issue")] + (step() if steps else [])
+            while steps:
+                want += step()
+            got = [x if x[1] == "backward" else x[:2] for x in sub[start - 2:start - 2 + len(want)]]
+            assert got == want, (f, b, got, want)
+            assert n_f >= 2 and len(want) >= 3 * 2, (f, b, want)  # real interleaving, not one after the other
+        # every micro-batch's backward of every stage ran once per segment, last segment first
+        tapes = {m for m, _, _ in events}
+        for t in tapes:
+            steps = [d for m, k, d in events if m == t and k == "backward"]
+            assert steps == list(range(len(steps) - 1, -1, -1)), (t, steps)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 8), (3, 5)])
+def test_merged_1f1b_lowers_without_a_hang(pp, m):
+    """Merging each steady-state backward with the forward that follows it keeps the schedule executable: torch's
+    send/recv lowering (which simulates every rank and raises on a schedule that cannot progress) accepts it, and
+    every compute action is still there once."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, _add_send_recv
+    from moetrain.parallel.overlap import pair_actions
+
+    order = one_f_one_b_order(pp, m)
+    merged = {r: pair_actions(a) for r, a in order.items()}
+    for r in range(pp):
+        flat = [x for a in merged[r] for x in (a.sub_actions if a.computation_type == OVERLAP_F_B else (a,))]
+        assert sorted(map(str, flat)) == sorted(map(str, order[r]))
+        n_pairs = sum(a.computation_type == OVERLAP_F_B for a in merged[r])
+        assert n_pairs == max(0, m - (pp - 1 - r) - 1), (r, merged[r])
+    _add_send_recv(merged, stage_to_rank=lambda s: s, num_stages=pp)
+
+
+def test_one_f_one_b_order_is_the_textbook_one():
+    order = one_f_one_b_order(2, 4)
+    assert [str(a) for a in order[0]] == ["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]
+    assert [str(a) for a in order[1]] == ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]
+
+
+def test_paired_fraction_counts_the_pairs_of_the_schedule_the_trainer_runs():
+    """Hand-counted: 1F1B at PP 2, m 4 pairs m - (PP - 1 - r) - 1 backwards with a forward on rank r (2 and 3 of
+    4); PP 1 pairs m - 1 of m; DualPipeV's own order pairs most of its passes once m >> PP; ZB-V none."""
+    assert paired_fraction("1f1b", 2, 1, 4) == [2 * 2 / 8, 2 * 3 / 8]
+    assert paired_fraction("1f1b", 1, 1, 4) == [0.75]
+    assert paired_fraction("zbv", 2, 2, 4) == [0.0, 0.0]
+    dv = paired_fraction("dualpipev", 4, 2, 64)
+    assert len(dv) == 4 and all(0.85 < f < 1.0 for f in dv), dv
+    il = paired_fraction("interleaved-1f1b", 2, 2, 8)
+    assert all(0 < f < 1 for f in il) and il[0] < il[1], il  # rank 0 warms up longest
+
+
 @pytest.mark.parametrize("kw,msg", [
-    ({"pp": 2, "ep_overlap": True}, "parallel.pp=2"),
+    ({"pp": 2, "pp_schedule": "zbv", "ep_overlap": True}, "pp_schedule='zbv'"),
     ({"activation_checkpointing": True, "ep_overlap": True}, "activation_checkpointing"),
     ({"n_chunks": 2, "ep_overlap": True}, "n_chunks=2"),
     ({"overlap": False, "ep_overlap": True}, "parallel.overlap=false"),
@@ -98,7 +210,7 @@ def test_ep_overlap_refuses_what_it_does_not_combine_with(kw, msg):
         ParallelConfig(**kw)
 
 
-def test_plan_files_map_ep_overlap_at_pp1_and_refuse_it_under_pipelining():
+def test_plan_files_map_ep_overlap_to_the_schedule_the_trainer_runs():
     from moetrain.plan.local import local_plan
     from moetrain.train.from_plan import plan_overrides
     from .workers import tiny_test_config
@@ -107,8 +219,17 @@ def test_plan_files_map_ep_overlap_at_pp1_and_refuse_it_under_pipelining():
     assert plan.overlap_schedule == "paired-microbatch"  # the planner models the schedule the trainer runs
     sets, world = plan_overrides(plan.to_dict())
     assert "parallel.ep_overlap=true" in sets and world == 2
-    with pytest.raises(ConfigError, match="pipelining"):
-        plan_overrides({**plan.to_dict(), "pp": 2, "dp": 1})
+    piped = local_plan(tiny_test_config(), 32, 2, 4, world=4, ep=2, pp=2, vpp=2, schedule="dualpipev",
+                       ep_overlap=True)
+    assert piped.overlap_schedule == "dualpipev"
+    assert local_plan(tiny_test_config(), 32, 2, 4, world=4, ep=2, pp=2, vpp=2, schedule="dualpipev",
+                      ep_overlap=False).overlap_schedule is None  # the trainer's dualpipev pairs only with it
+    assert local_plan(tiny_test_config(), 32, 2, 4, world=4, ep=2, pp=2,
+                      ep_overlap=True).overlap_schedule == "combined-1f1b"
+    sets, world = plan_overrides(piped.to_dict())
+    assert "parallel.ep_overlap=true" in sets and 'parallel.pp_schedule="dualpipev"' in sets and world == 4
+    with pytest.raises(ConfigError, match="zbv"):
+        plan_overrides({**piped.to_dict(), "schedule": "zbv"})
     with pytest.raises(ConfigError, match="cannot run this plan yet: .*full recompute.*--recompute none"):
         plan_overrides({**plan.to_dict(), "recompute": "full"})
 

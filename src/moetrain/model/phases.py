@@ -128,7 +128,10 @@ class Tape:
         self.name, self.partner, self.events, self.no_autocast = name, partner, events, no_autocast
         self.around_backward = around_backward
         self.segments: list[_Segment] = [_Segment()]
-        self.loss: torch.Tensor | None = None
+        self.seeds: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (output, its gradient or None: a loss)
+        #: when a list, the delayed weight gradients of every step go there instead of running (the split backward
+        #: of a pipeline schedule's BACKWARD_INPUT runs them at its BACKWARD_WEIGHT).
+        self.hold_wgrad: list[Callable[[], None]] | None = None
         self._next: int | None = None  # segment whose backward runs next; None until the forward finished
         self._range: Any = None
 
@@ -175,9 +178,19 @@ class Tape:
             self.partner.backward_step()
         self._open_range()
 
-    def finish(self, loss: torch.Tensor) -> None:
-        """The forward is done and ``loss`` (a scalar of the last segment) is what its backward starts from."""
-        self.loss = loss
+    def finish(self, outputs: torch.Tensor | tuple, grads: Any = None) -> None:
+        """The forward is done; its backward starts from ``outputs`` (tensors of the last segment) with ``grads``.
+
+        ``outputs`` is a scalar loss (``grads`` None), or a pipeline stage's output tuple with the gradients received
+        from the next stage (entries that need no gradient, or get None, are skipped; ``grads`` None: the outputs
+        are losses)."""
+        if isinstance(outputs, torch.Tensor):
+            outputs, grads = (outputs,), (None if grads is None else (grads,))
+        if grads is None:  # losses
+            self.seeds = [(t, None) for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+        else:
+            self.seeds = [(t, g) for t, g in zip(outputs, grads) if isinstance(t, torch.Tensor) and t.requires_grad
+                          and g is not None]
         self._next = len(self.segments) - 1
 
     # -- backward --------------------------------------------------------------------------------------------
@@ -194,9 +207,10 @@ class Tape:
         seg = self.segments[s]
         outs: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
-        if s == len(self.segments) - 1 and self.loss is not None:
-            outs.append(self.loss)
-            grads.append(None)
+        if s == len(self.segments) - 1:
+            for t, g in self.seeds:
+                outs.append(t)
+                grads.append(g)
         for src, g, handle in seg.grads:
             handle.wait()
             outs.append(src)
@@ -226,15 +240,17 @@ class Tape:
             if prev.comms:
                 self._log("bwd-issue", prev.label)
             prev.comms = []
-        if wgrads:
+        if wgrads and self.hold_wgrad is not None:
+            self.hold_wgrad.extend(wgrads)
+        elif wgrads:
             # The weight gradients this step deferred, while its reverse all-to-alls are in flight.
             around = self.around_backward() if self.around_backward is not None else nullcontext()
             with record_function(f"{self.name} wgrad seg{s}"), self._autocast_off(), around:
                 for run in wgrads:
                     run()
             self._log("wgrad", s)
-        if self.loss is not None and s == len(self.segments) - 1:
-            self.loss = None
+        if s == len(self.segments) - 1:
+            self.seeds = []
         self._next = s - 1
         return True
 

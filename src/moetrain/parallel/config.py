@@ -50,7 +50,8 @@ class ParallelConfig:
             expert GEMMs (1 = off).
         ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
             all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
-            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; PP = 1; not
+            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; under pipelining
+            the schedule's forward-backward pairs (1f1b, interleaved-1f1b, dualpipev's OVERLAP_F_B; not zbv); not
             with activation_checkpointing, n_chunks > 1 or overlap = false.
         activation_checkpointing: recompute each block in backward.
         timeout_s: collective timeout; a hang ends with an error naming the phase.
@@ -109,13 +110,15 @@ class ParallelConfig:
             raise ConfigError(f"parallel.ep_overlap={self.ep_overlap!r} must be true or false")
         if self.ep_overlap:
             clash = [f"parallel.{k}={v}" for k, v, bad in (
-                ("pp", self.pp, self.pp > 1), ("activation_checkpointing", "true", self.activation_checkpointing),
+                ("pp_schedule", repr(self.pp_schedule), self.pp > 1 and self.pp_schedule == "zbv"),
+                ("activation_checkpointing", "true", self.activation_checkpointing),
                 ("n_chunks", self.n_chunks, self.n_chunks > 1), ("overlap", "false", not self.overlap)) if bad]
             if clash:
                 raise ConfigError(
                     f"parallel.ep_overlap=true does not combine with {', '.join(clash)}: the paired schedule runs "
-                    f"without pipelining, recomputation or token chunks, with asynchronous all-to-alls "
-                    f"(parallel.overlap=true); drop those settings or set parallel.ep_overlap=false")
+                    f"without recomputation or token chunks, with asynchronous all-to-alls (parallel.overlap=true), "
+                    f"and under pipelining pairs the full backwards of 1f1b, interleaved-1f1b or dualpipev (zbv "
+                    f"splits every backward); drop those settings or set parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 

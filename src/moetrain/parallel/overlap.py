@@ -112,3 +112,223 @@ def run_paired(forward: Callable[[int], torch.Tensor], n_micro: int, device_type
         prev = tape
     if prev is not None:
         prev.drain()
+
+
+# ---- pipelined schedules: OVERLAP_F_B ---------------------------------------------------------------------------
+#
+# Under pipelining the pairs come from the schedule. ``torch.distributed.pipelining``'s runtime executes an
+# ``OVERLAP_F_B`` action -- the forward of one chunk and the backward of another on the same rank -- through a
+# registered custom function (by default it runs them one after the other). Here every forward chunk is recorded on a
+# tape and every backward drains its chunk's tape seeded with the gradients received from the next stage; the
+# custom function runs the forward with the backward's tape as its partner, so their phases interleave as at PP = 1.
+# DualPipeV's schedule has the OVERLAP_F_B actions already; for 1F1B and interleaved 1F1B (Megatron-Core's combined
+# 1F1B) each steady-state backward is merged with the forward that follows it on the rank (:func:`pair_actions`).
+
+def paired_stage(cls: type) -> type:
+    """A ``PipelineStage`` subclass whose training forwards are recorded on a :class:`Tape` per micro-batch and whose
+    backwards run that tape piecewise: "full" drains it; "input" (a split backward) drains it holding the delayed
+    weight gradients, which "weight" then runs. Gradients and the input gradients sent upstream are those of one
+    ``torch.autograd.backward`` from the stage outputs (fp32 round-off aside).
+
+    Attributes set by the schedule: ``partner`` (a tape whose backward steps run at this stage's forward
+    boundaries, during an OVERLAP_F_B), ``meanwhile`` (the forward run by the next backward while it drains),
+    ``events`` (a list receiving the tapes' phase events, or None)."""
+
+    class Paired(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.partner: Tape | None = None
+            self.meanwhile: Callable[[Tape], None] | None = None
+            self.events: list | None = None
+            self._tapes: dict[int, Tape] = {}
+            self._held: dict[int, list[Callable[[], None]]] = {}
+            self._chunk = -1
+
+        def clear_runtime_states(self) -> None:
+            super().clear_runtime_states()
+            self._tapes.clear()
+            self._held.clear()
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            self._chunk = fwd_chunk_id
+            return super().forward_one_chunk(fwd_chunk_id, *a, **k)
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            self._chunk = bwd_chunk_id
+            return super().backward_one_chunk(bwd_chunk_id, *a, **k)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id: int, *a: Any, **k: Any) -> Any:
+            self._chunk = bwd_chunk_id
+            return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
+
+        def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+            if not (torch.is_grad_enabled() and self.submod.training):
+                return super().forward_maybe_with_nosync(*args, **kwargs)
+            tape = Tape(f"s{self.stage_index}mb{self._chunk}", partner=self.partner, events=self.events,
+                        no_autocast=self.device.type)
+            with tape.recording():
+                out = self.submod(*args, **kwargs)
+            self._tapes[self._chunk] = tape
+            return out
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                       last_backward: bool = False) -> tuple[tuple, None]:
+            defer_fsdp_reduction(self.submod)  # the schedule's REDUCE_GRAD action reduces, as without pairing
+            chunk = self._chunk
+            if backward_type == "weight":
+                with torch.autocast(self.device.type, enabled=False):
+                    for run in self._held.pop(chunk, []):
+                        run()
+                return (), None
+            tape = self._tapes.pop(chunk)
+            tape.finish(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"])
+            if backward_type == "input":
+                tape.hold_wgrad = self._held[chunk] = []
+            meanwhile, self.meanwhile = self.meanwhile, None
+            if meanwhile is not None:
+                meanwhile(tape)
+            tape.drain()
+            grads = []
+            for v in bwd_kwargs["input_values"]:
+                grads.append(v.grad if isinstance(v, torch.Tensor) else None)
+                if isinstance(v, torch.Tensor):
+                    v.grad = None  # sent upstream; not accumulated (as torch's stage_backward)
+            return tuple(grads), None
+
+    Paired.__name__ = Paired.__qualname__ = f"Paired{cls.__name__}"
+    return Paired
+
+
+def pair_actions(actions: list) -> list:
+    """One rank's compute actions with every full backward merged with the forward that directly follows it into an
+    ``OVERLAP_F_B`` action (sub-actions: that forward, that backward); idle slots (None) dropped. Merging the
+    backward with the *following* forward keeps every dependency the lowering needs: the merged forward's input
+    was sent by a neighbour's earlier action, never by its own merged pair (the runtime's send/recv lowering
+    checks it, and raises on a schedule that could hang)."""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, _Action
+    acts = [a for a in actions if a is not None]
+    out, i = [], 0
+    while i < len(acts):
+        a = acts[i]
+        if (a.computation_type == FULL_BACKWARD and i + 1 < len(acts)
+                and acts[i + 1].computation_type == FORWARD):
+            out.append(_Action(-1, OVERLAP_F_B, None, (acts[i + 1], a)))
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def one_f_one_b_order(pp: int, n_microbatches: int) -> dict[int, list]:
+    """The 1F1B compute order as runtime actions (Narayanan et al., SC'21, sec. 2.2): rank r runs
+    min(pp - 1 - r, m) warm-up forwards, then alternates forward and backward, then drains the backwards. (torch's
+    ``Schedule1F1B`` runs this order on its own loop, which has no OVERLAP_F_B; its interleaved runtime with one
+    stage per rank would warm up 2 (pp - 1 - r) forwards.)"""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
+    m, order = n_microbatches, {}
+    for r in range(pp):
+        warm = min(pp - 1 - r, m)
+        acts = [_Action(r, FORWARD, i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [_Action(r, FORWARD, warm + i), _Action(r, FULL_BACKWARD, i)]
+        order[r] = acts + [_Action(r, FULL_BACKWARD, i) for i in range(m - warm, m)]
+    return order
+
+
+def pair_schedule(schedule: Any, order: dict[int, list] | None = None) -> None:
+    """Make ``schedule`` (a ``torch.distributed.pipelining`` runtime schedule over :func:`paired_stage` stages) run
+    its OVERLAP_F_B actions interleaved. DualPipeV has such actions; for interleaved 1F1B -- or ``order``, the
+    compute order to run instead (1F1B: :func:`one_f_one_b_order`) -- the steady state is merged first
+    (:func:`pair_actions`) and lowered again (sends, receives, FSDP unshard / reshard and gradient reduction)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
+    if order is not None or not isinstance(schedule, ScheduleDualPipeV):
+        order = {r: pair_actions(a) for r, a in (order or schedule.pipeline_order).items()}
+        schedule.pipeline_order = order
+        schedule._prepare_schedule_with_comms(order)
+    schedule.register_custom_function(OVERLAP_F_B, _overlap_f_b)
+
+
+def _overlap_f_b(action: Any, ctx: Any) -> None:
+    """The OVERLAP_F_B action: wait for both inputs (as the runtime's FORWARD and FULL_BACKWARD do), then run the
+    backward with the forward as its ``meanwhile``: the forward's boundaries run the backward's steps."""
+    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _wait_batch_p2p
+    sched = ctx.schedule_ref
+    f, b = action.sub_actions
+    if f.computation_type != FORWARD or b.computation_type != FULL_BACKWARD:
+        raise RuntimeError(f"OVERLAP_F_B pairs a forward with a full backward; got {action.sub_actions}")
+    stages = {s.stage_index: s for s in sched._stages}
+    sf, sb = stages[f.stage_index], stages[b.stage_index]
+    sched._assert_unsharded(sf)
+    sched._assert_unsharded(sb)
+    if not sf.is_first and f.stage_index - 1 not in stages:
+        _wait_batch_p2p(sched.fwd_recv_ops.pop((f.stage_index, f.microbatch_index)))
+    if not sb.is_last and b.stage_index + 1 not in stages:
+        _wait_batch_p2p(sched.bwd_recv_ops.pop((b.stage_index, b.microbatch_index)))
+    loss = sched._maybe_get_loss(sb, b.microbatch_index)
+    sched.backward_counter[b.stage_index] += 1
+    last = sched.backward_counter[b.stage_index] == sched._n_microbatches
+
+    def forward(partner: Tape) -> None:
+        partner.around_backward = lambda: keep_fsdp_forward_state(sf.submod)
+        partner.backward_step()  # the loss and the last segment: its combine backward is then in flight (as PP = 1)
+        sf.partner = partner
+        try:
+            mb = f.microbatch_index
+            out = sf.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+        finally:
+            sf.partner = None
+            partner.around_backward = None
+        sched._maybe_compute_loss(sf, out, ctx.target_mbs, f.microbatch_index)
+        if f.stage_index + 1 in stages:
+            stages[f.stage_index + 1].set_local_fwd_input(out, f.microbatch_index)
+
+    sb.meanwhile = forward
+    try:
+        sb.backward_one_chunk(b.microbatch_index, loss=loss, full_backward=True, last_backward=last)
+    finally:
+        sb.meanwhile = None
+    if b.stage_index - 1 in stages:
+        stages[b.stage_index - 1].set_local_bwd_input(sb.get_local_bwd_output(b.microbatch_index),
+                                                      b.microbatch_index)
+
+
+def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> list[float]:
+    """Per pipeline rank, the share of its forward and backward chunk passes that run inside an OVERLAP_F_B pair
+    under ``parallel.ep_overlap`` -- the passes whose all-to-alls have another chunk's compute to hide behind.
+
+    Counted on the compute order torch's schedule builds (the one the trainer runs; no processes needed), after
+    :func:`pair_actions` for 1F1B and interleaved 1F1B; PP = 1 pairs micro-batch i+1's forward with i's backward
+    (:func:`run_paired`): 2 (m - 1) of 2 m passes. ZB-V pairs nothing.
+
+    Args:
+        schedule: "1f1b", "interleaved-1f1b", "dualpipev" or "zbv" (``parallel.pp_schedule``).
+        pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
+        n_microbatches: micro-batches per step (at least what the schedule needs).
+    """
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+    m = n_microbatches
+    if pp == 1:
+        return [(m - 1) / m if m > 1 else 0.0]
+    if schedule == "zbv":
+        return [0.0] * pp
+    if schedule == "1f1b":
+        orders, n_local = one_f_one_b_order(pp, m), 1
+    elif schedule == "dualpipev":
+        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m)
+        orders = {r: ScheduleDualPipeV._calculate_single_rank_operations(ns, r) for r in range(pp)}  # torch's own
+        n_local = 2
+    else:
+        rounds = max(1, m // pp)
+        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, n_local_stages=vpp, number_of_rounds=rounds,
+                             microbatches_per_round=m // rounds)
+        orders = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r) for r in range(pp)}
+        n_local = vpp
+    out = []
+    for r in range(pp):
+        acts = orders[r] if schedule == "dualpipev" else pair_actions(orders[r])
+        paired = sum(2 for a in acts if a is not None and a.computation_type == OVERLAP_F_B)
+        out.append(paired / (2 * n_local * m))
+    return out

@@ -211,17 +211,23 @@ def _timed(cls: type) -> type:
     weight-backward of its micro-batches); the rest of a schedule step is waiting for the neighbouring stages and
     sending to them: the bubble."""
 
+    depth = [0]  # an OVERLAP_F_B runs one stage's forward inside another's backward: time the outer call only
+
     class Timed(cls):  # type: ignore[misc, valid-type]
         compute_s = 0.0
 
         def _time(self, fn: Callable, *a: Any, **k: Any) -> Any:
+            if depth[0]:
+                return fn(*a, **k)
             sync = self.device.type == "cuda"
             if sync:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
+            depth[0] += 1
             try:
                 return fn(*a, **k)
             finally:
+                depth[0] -= 1
                 if sync:
                     torch.cuda.synchronize(self.device)
                 self.compute_s += time.perf_counter() - t0
@@ -266,6 +272,9 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     tok = torch.empty(B, L, dtype=torch.long, device="meta")
     stages = []
     Timed = _timed(PipelineStage)
+    if pcfg.ep_overlap:
+        from moetrain.parallel.overlap import paired_stage
+        Timed = paired_stage(Timed)
     for part in parts:
         h = torch.empty(B, L, D, dtype=part.act_dtype, device="meta")
         inputs = (tok, tok) if part.spec.embed else (h, tok, tok)
@@ -275,8 +284,17 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
                             output_args=_to(outputs, dev), group=ctx.pp_group))
     cls = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV,
            "zbv": ScheduleZBVZeroBubble}[name]
+    order = None
+    if pcfg.ep_overlap and cls is Schedule1F1B:
+        # The 1F1B order on the runtime that executes OVERLAP_F_B actions (torch's Schedule1F1B has its own loop).
+        from moetrain.parallel.overlap import one_f_one_b_order
+        cls, order = ScheduleInterleaved1F1B, one_f_one_b_order(pcfg.pp, n_microbatches)
     arg = stages[0] if cls is Schedule1F1B else stages
-    return cls(arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False), stages
+    schedule = cls(arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if pcfg.ep_overlap:
+        from moetrain.parallel.overlap import pair_schedule
+        pair_schedule(schedule, order)
+    return schedule, stages
 
 
 def _to(ts: tuple[torch.Tensor, ...], dev: torch.device) -> tuple[torch.Tensor, ...]:

@@ -51,7 +51,7 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
     """The :class:`Plan` of a local ``moetrain train`` run: PP stages of DP = world / PP ranks each, EP carved out
     of a stage's ranks, FSDP2; ``schedule`` and ``vpp`` as ``parallel.pp_schedule`` / ``parallel.vpp`` (the trainer's
     names; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
-    "paired-microbatch" schedule at PP = 1)."""
+    "paired-microbatch" schedule at PP = 1, the schedule's own F&B pairs under pipelining)."""
     return Plan(tp=1, pp=pp, vpp=vpp if pp > 1 else 1, ep=ep, cp=1, dp=world // pp, micro_batch=micro_batch,
                 global_batch=micro_batch * grad_accum * (world // pp), seq_len=seq_len, precision=precision,
                 recompute="full" if activation_checkpointing else "none", ep_overlap=ep_overlap,

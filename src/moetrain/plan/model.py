@@ -809,9 +809,17 @@ def _in_flight(plan: Plan, device: int) -> list[float]:
 
 
 def _unpaired_fraction(plan: Plan) -> float:
-    """Share of a rank's micro-batch chunks in pipeline warm-up / cool-down, where EP overlap has no partner."""
+    """Share of a rank's micro-batch chunks in pipeline warm-up / cool-down, where EP overlap has no partner.
+
+    Framework "moetrain": counted on the compute order its trainer runs (torch's schedule after moetrain's
+    pairing, ``moetrain.parallel.overlap.paired_fraction``), for the rank that pairs least -- the pipeline waits
+    for its slowest rank."""
     m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
     sched = plan.resolved_schedule
+    if plan.framework == "moetrain" and sched in ("1f1b", "interleaved", "dualpipev"):
+        from moetrain.parallel.overlap import paired_fraction
+        name = {"interleaved": "interleaved-1f1b"}.get(sched, sched)
+        return 1.0 - min(paired_fraction(name, pp, 2 if sched == "dualpipev" else vpp, m))
     if sched == "dualpipe":
         return min(1.0, (pp / 2) / m)
     if sched == "dualpipev":
@@ -925,7 +933,7 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
         t_no, a_no = costs[k].time(False, share)
         if not overlap:
             return t_no, a_no
-        if plan.framework == "moetrain" and plan.pp == 1 and costs[k].a2a_s > 0 and len(costs[k].a2a_passes) == 4:
+        if plan.framework == "moetrain" and costs[k].a2a_s > 0 and len(costs[k].a2a_passes) == 4:
             # moetrain's unpaired passes still delay their weight gradients behind the backward all-to-alls
             t_solo = costs[k].solo_time(share) + costs[k].tp_s + costs[k].cp_s
             t_no, a_no = t_solo, t_solo - costs[k].compute_s - costs[k].tp_s - costs[k].cp_s

@@ -207,15 +207,21 @@ class Plan:
           overlap builds).
         * None: plain 1F1B with PP > 1, ZBV, one micro-batch, EP = 1 or no ``ep_overlap``: nothing pairs a
           forward with a backward, so nothing hides the all-to-all.
+
+        Framework "moetrain" is its trainer's ``parallel.ep_overlap`` exactly: DualPipeV pairs only with it
+        (without, torch's runtime runs each F&B pair one after the other), and 1F1B with PP > 1 pairs too
+        ("combined-1f1b": each steady-state backward merged with the next forward,
+        ``moetrain.parallel.overlap.pair_actions``).
         """
         if self.ep <= 1:
             return None
         sched = self.resolved_schedule
-        if sched in ("dualpipe", "dualpipev"):
+        trainer = self.framework == "moetrain"
+        if sched in ("dualpipe", "dualpipev") and not (trainer and not self.ep_overlap):
             return sched
         if not self.ep_overlap:
             return None
-        if sched == "interleaved":
+        if sched == "interleaved" or (trainer and sched == "1f1b" and self.pp > 1):
             return "combined-1f1b"
         if sched == "1f1b" and self.pp == 1 and self.n_microbatches >= 2:
             return "paired-microbatch"

@@ -14,15 +14,16 @@ micro_batch                 train.micro_batch_size (sequences)
 global_batch                train.grad_accum = global_batch / (dp x micro_batch) (micro-batches per step)
 seq_len                     data.seq_len
 recompute "full" / "none"   parallel.activation_checkpointing true / false
-ep_overlap (PP = 1)         parallel.ep_overlap (micro-batch i+1's forward paired with i's backward)
+ep_overlap                  parallel.ep_overlap (PP = 1: micro-batch i+1's forward paired with i's backward;
+                            pipelined: the schedule's forward-backward pairs, not zbv)
 routing "real" / "balanced" model.routing "learned" / "balanced"
 model (a preset name)       model.preset
 pp x dp (x tp x cp)         the number of processes (train.nproc for a local launch)
 ==========================  ===========================================================================
 
 What the trainer cannot run yet is refused, all of it in one message: tensor or context parallelism, FP8 GEMMs,
-FP8 attention, selective recompute, expert all-to-all overlap under pipelining (PP > 1), optimizer states below
-fp32, FP8 primary weights.
+FP8 attention, selective recompute, expert all-to-all overlap with full recompute or under zbv, optimizer states
+below fp32, FP8 primary weights.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
     if g("ep_overlap") and g("ep", 1) > 1 and g("recompute", "none") == "full":
         missing.append("expert all-to-all overlap with full recompute (the trainer's paired schedule runs without "
                        "recomputation; use --recompute none or --no-ep-overlap)")
-    if g("ep_overlap") and g("pp", 1) > 1:
-        missing.append("expert all-to-all overlap under pipelining (ep_overlap with pp > 1; the trainer pairs "
-                       "micro-batches at pp = 1 only; use --no-ep-overlap)")
+    if g("ep_overlap") and g("ep", 1) > 1 and g("pp", 1) > 1 and g("schedule") == "zbv":
+        missing.append("expert all-to-all overlap under the zbv schedule (it splits every backward, so nothing "
+                       "pairs; use --schedule dualpipev or --no-ep-overlap)")
     if g("optimizer", "fp32") != "fp32":
         missing.append(f"{g('optimizer')} optimizer states (the trainer keeps fp32; use --optimizer fp32)")
     if g("fp8_param"):

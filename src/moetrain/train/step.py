@@ -286,6 +286,7 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
         kwargs = {"target": y} if mp.last else {}
         for s in mp.pipeline_stages:
             s.compute_s = 0.0
+            s.events = events  # with parallel.ep_overlap: the tapes of the OVERLAP_F_B pairs record there
         t0 = time.perf_counter()
         with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
             mp.schedule.step(*args, return_outputs=False, **kwargs)
