@@ -126,6 +126,8 @@ def test_pipelined_overlap_interleaves_the_paired_chunks(kw):
     forward's all-to-all issues run the backward's steps, each issuing its reverse all-to-all."""
     kw = {"dp": 1, **kw, "ep_overlap": True}
     ranks = ok_values(run_ranks(4, overlap_events_run, kw, 4, 8))
+    # validation after the step (dualpipev runs it as a training step with a zero loss): the same on every rank
+    assert all(r["val"] == ranks[0]["val"] and 0 < r["val"] < 20 for r in ranks), [r["val"] for r in ranks]
     by_pp = {}
     for r in ranks:
         by_pp.setdefault(r["pp_rank"], []).append(r["events"])

@@ -138,7 +138,7 @@ def paired_stage(cls: type) -> type:
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
             self.partner: Tape | None = None
-            self.meanwhile: Callable[[Tape], None] | None = None
+            self.meanwhile: Callable[[Tape | None], None] | None = None
             self.events: list | None = None
             self._tapes: dict[int, Tape] = {}
             self._held: dict[int, list[Callable[[], None]]] = {}
@@ -162,7 +162,7 @@ def paired_stage(cls: type) -> type:
             return super().backward_weight_one_chunk(bwd_chunk_id, *a, **k)
 
         def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-            if not (torch.is_grad_enabled() and self.submod.training):
+            if not torch.is_grad_enabled():  # forward-only (evaluation): no backward will drain a tape
                 return super().forward_maybe_with_nosync(*args, **kwargs)
             tape = Tape(f"s{self.stage_index}mb{self._chunk}", partner=self.partner, events=self.events,
                         no_autocast=self.device.type)
@@ -180,11 +180,16 @@ def paired_stage(cls: type) -> type:
                     for run in self._held.pop(chunk, []):
                         run()
                 return (), None
-            tape = self._tapes.pop(chunk)
+            meanwhile, self.meanwhile = self.meanwhile, None
+            tape = self._tapes.pop(chunk, None)
+            if tape is None:  # its forward ran without a tape: one backward call, then the paired forward alone
+                result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+                if meanwhile is not None:
+                    meanwhile(None)
+                return result
             tape.finish(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"])
             if backward_type == "input":
                 tape.hold_wgrad = self._held[chunk] = []
-            meanwhile, self.meanwhile = self.meanwhile, None
             if meanwhile is not None:
                 meanwhile(tape)
             tape.drain()
@@ -269,16 +274,18 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     sched.backward_counter[b.stage_index] += 1
     last = sched.backward_counter[b.stage_index] == sched._n_microbatches
 
-    def forward(partner: Tape) -> None:
-        partner.around_backward = lambda: keep_fsdp_forward_state(sf.submod)
-        partner.backward_step()  # the loss and the last segment: its combine backward is then in flight (as PP = 1)
+    def forward(partner: Tape | None) -> None:
+        if partner is not None:
+            partner.around_backward = lambda: keep_fsdp_forward_state(sf.submod)
+            partner.backward_step()  # the loss and the last segment: its combine backward now in flight (as PP = 1)
         sf.partner = partner
         try:
             mb = f.microbatch_index
             out = sf.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
         finally:
             sf.partner = None
-            partner.around_backward = None
+            if partner is not None:
+                partner.around_backward = None
         sched._maybe_compute_loss(sf, out, ctx.target_mbs, f.microbatch_index)
         if f.stage_index + 1 in stages:
             stages[f.stage_index + 1].set_local_fwd_input(out, f.microbatch_index)
@@ -286,8 +293,11 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     sb.meanwhile = forward
     try:
         sb.backward_one_chunk(b.microbatch_index, loss=loss, full_backward=True, last_backward=last)
+        unrun, sb.meanwhile = sb.meanwhile, None
     finally:
         sb.meanwhile = None
+    if unrun is not None:  # no backward ran (forward-only evaluation: the stage has no backward)
+        forward(None)
     if b.stage_index - 1 in stages:
         stages[b.stage_index - 1].set_local_bwd_input(sb.get_local_bwd_output(b.microbatch_index),
                                                       b.microbatch_index)

@@ -288,8 +288,12 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
             s.compute_s = 0.0
             s.events = events  # with parallel.ep_overlap: the tapes of the OVERLAP_F_B pairs record there
         t0 = time.perf_counter()
-        with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
-            mp.schedule.step(*args, return_outputs=False, **kwargs)
+        try:
+            with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
+                mp.schedule.step(*args, return_outputs=False, **kwargs)
+        finally:
+            for s in mp.pipeline_stages:
+                s.events = None
         pipeline_s = time.perf_counter() - t0
         bubble_s = max(0.0, pipeline_s - sum(s.compute_s for s in mp.pipeline_stages))
     with named_phase("embedding gradient sum (first and last stage)", ctx.distributed):
