@@ -2,6 +2,7 @@
 ``parallel.ep_overlap`` on against off, and ``moetrain plan --gpu local``'s predicted exposed share beside them.
 
     .venv/bin/python benchmarks/ep_overlap.py [--presets tiny small] [--routing learned balanced] [--rounds 2]
+    .venv/bin/python benchmarks/ep_overlap.py --pp 2 --schedule dualpipev --accum 8 --presets tiny   # 4 processes
 
 Each variant is ``moetrain train --nproc 2 --ep 2`` with ``--accum`` micro-batches per step (the paired schedule
 runs micro-batch i+1's forward with micro-batch i's backward; the first forward and the last backward of a step are
@@ -9,7 +10,9 @@ alone). Variants run round-robin ``--rounds`` times; each run's figures are the 
 the first; the best run (highest tokens/s) of each variant is kept, since the two cores are shared. Printed per
 preset and routing: exposed share on and off, the on/off step-time ratio, the exposed time by phase, and the
 planner's predicted exposed share for the same two runs (needs a ``moetrain bench`` file, ``--bench-file``).
-Results go to benchmarks/results/ep_overlap-<host>-<date>.{json,md}.
+With ``--pp`` the runs are pipelined (``--nproc 2 PP``, EP 2 inside each stage) on ``--schedule``, whose own
+forward-backward pairs carry the overlap. Results go to benchmarks/results/ep_overlap-<host>-<date>[-pp<P>-<schedule>]
+.{json,md}.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ SIZES = {"tiny": (16, 24), "small": (4, 8)}
 
 
 def run_train(preset: str, routing: str, overlap: bool, mbs: int, steps: int, accum: int, seq: int,
-              out: Path) -> dict:
+              out: Path, pp: int = 1, schedule: str = "1f1b", vpp: int = 1) -> dict:
+    piped = ["--pp", str(pp), "--set", f"parallel.pp_schedule={json.dumps(schedule)}",
+             "--set", f"parallel.vpp={vpp}"] if pp > 1 else []
     cmd = [sys.executable, "-m", "moetrain", "train", "--preset", preset, "--steps", str(steps), "--out", str(out),
-           "--nproc", "2", "--ep", "2", "--device", "cpu",
+           "--nproc", str(2 * pp), "--ep", "2", "--device", "cpu", *piped,
            "--set", f"train.log_every={max(2, steps // 4)}", "--set", "train.eval_every=0",
            "--set", "train.ckpt_every=0", "--set", "train.tensorboard=false",
            "--set", f"train.micro_batch_size={mbs}", "--set", f"train.grad_accum={accum}",
@@ -61,7 +66,8 @@ def run_train(preset: str, routing: str, overlap: bool, mbs: int, steps: int, ac
             "phases": phases, "command": shlex.join(cmd[1:])}
 
 
-def predict(preset: str, routing: str, overlap: bool, mbs: int, accum: int, seq: int, bench: str) -> dict:
+def predict(preset: str, routing: str, overlap: bool, mbs: int, accum: int, seq: int, bench: str, pp: int = 1,
+            schedule: str = "1f1b", vpp: int = 1) -> dict:
     """The planner's exposed share and step time for the same run (``moetrain plan --gpu local``)."""
     from moetrain.model.config import get_preset
     from moetrain.plan.hardware import gpu_from_bench
@@ -72,12 +78,19 @@ def predict(preset: str, routing: str, overlap: bool, mbs: int, accum: int, seq:
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         return {"error": str(e)}
     cfg = get_preset(preset).replace(routing=routing)
-    plan = local_plan(cfg, seq, mbs, accum, world=2, ep=2, ep_overlap=overlap)
-    pred = predict_measured(cfg, gpu, 2, plan)
+    plan = local_plan(cfg, seq, mbs, accum, world=2 * pp, ep=2, ep_overlap=overlap, pp=pp, vpp=vpp,
+                      schedule=schedule)
+    try:
+        pred = predict_measured(cfg, gpu, 2 * pp, plan)
+    except Exception as e:  # noqa: BLE001 - e.g. a bench file measured for another process count; reported
+        return {"error": str(e)}
     d = pred.details
-    # every item of the (one) stage: "E" embedding, "d" dense layer, "t" MoE layer, "m" MTP, "L" head
-    items = "".join(d["stages"])
-    total = d["microbatches"] * sum(d["item_cost_s"][k]["a2a"] for k in items)
+    # the all-to-all of every item ("E" embedding, "d" dense layer, "t" MoE layer, "m" MTP, "L" head) of the stages
+    # of the pipeline rank with the most of it (the prediction's exposed time is the slowest rank's)
+    from moetrain.plan.model import _device_stages
+    per_rank = [sum(d["item_cost_s"][k]["a2a"] for s in sts for k in d["stages"][s])
+                for sts in _device_stages(pred.plan, len(d["stages"]))]
+    total = d["microbatches"] * max(per_rank)
     return {"exposed_share": pred.step.exposed_a2a / total if total else 0.0, "step_s": pred.step.step,
             "schedule": d["overlap_schedule"]}
 
@@ -90,6 +103,9 @@ def main() -> int:
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0, help="override the per-preset step count")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline ranks (2 x PP processes)")
+    ap.add_argument("--schedule", default="1f1b", help="parallel.pp_schedule under --pp")
+    ap.add_argument("--vpp", type=int, default=1, help="parallel.vpp under --pp (interleaved-1f1b)")
     ap.add_argument("--bench-file", default=str(ROOT / ".cache" / "moetrain" / "bench.json"))
     ap.add_argument("--from-json", help="re-render a results .json of this script (no runs; predictions again)")
     args = ap.parse_args()
@@ -107,7 +123,7 @@ def main() -> int:
             for i, (preset, routing, o) in enumerate(variants):
                 mbs, steps = SIZES.get(preset, (4, 8))
                 res = run_train(preset, routing, o, mbs, args.steps or steps, args.accum, args.seq,
-                                Path(d) / f"r{rnd}-{i}")
+                                Path(d) / f"r{rnd}-{i}", args.pp, args.schedule, args.vpp)
                 key = (preset, routing, o)
                 if key not in best or res["tokens_per_s_per_proc"] > best[key]["tokens_per_s_per_proc"]:
                     best[key] = res
@@ -118,9 +134,10 @@ def main() -> int:
         for routing in args.routing:
             on, off = best[(preset, routing, True)], best[(preset, routing, False)]
             mbs, _ = SIZES.get(preset, (4, 8))
-            p_on = predict(preset, routing, True, mbs, args.accum, args.seq, args.bench_file) \
+            piped = (args.pp, args.schedule, args.vpp)
+            p_on = predict(preset, routing, True, mbs, args.accum, args.seq, args.bench_file, *piped) \
                 if Path(args.bench_file).is_file() else {"error": "no bench file"}
-            p_off = predict(preset, routing, False, mbs, args.accum, args.seq, args.bench_file) \
+            p_off = predict(preset, routing, False, mbs, args.accum, args.seq, args.bench_file, *piped) \
                 if Path(args.bench_file).is_file() else {"error": "no bench file"}
             rows.append({"preset": preset, "routing": routing, "on": on, "off": off,
                          "step_on_over_off": on["step_s"] / off["step_s"],
@@ -146,7 +163,8 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     stamp = time.strftime("%Y%m%d")
-    out = ROOT / "benchmarks" / "results" / f"ep_overlap-{platform.node()}-{stamp}"
+    tag = f"-pp{args.pp}-{args.schedule}" if args.pp > 1 else ""
+    out = ROOT / "benchmarks" / "results" / f"ep_overlap-{platform.node()}-{stamp}{tag}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(table + "\n")
