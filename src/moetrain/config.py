@@ -292,7 +292,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
     job = JobConfig(model=model, parallel=parallel, data=data, train=train, preset=preset)
     if parallel.pp > 1 and "grad_accum" not in sections.get("train", {}):
         _pipeline_microbatches(job, "micro_batch_size" in sections.get("train", {}))
-    if parallel.ep_overlap and job.train.grad_accum < 2:
+    if parallel.ep_overlap and job.train.grad_accum < 2 and parallel.pp == 1:
         job.notes.append("parallel.ep_overlap pairs micro-batch i+1's forward with micro-batch i's backward; with "
                          "train.grad_accum=1 nothing pairs and only the delayed weight gradients hide the backward "
                          "all-to-alls (--set train.grad_accum=2 or more)")

@@ -12,9 +12,10 @@ How the graph is cut (single-device code: the model only marks what crosses a cu
 collectives):
 
 * A communication boundary (:meth:`Tape.boundary`) ends a segment. The dispatcher calls it after issuing the
-  all-to-alls of one dispatch or combine; each all-to-all it issued is recorded (:meth:`Tape.comm`) with its input
-  (a tensor of the segment's graph), its output (a new leaf, read only in later segments) and the function that
-  sends the output's gradient back (the reverse all-to-all, asynchronous).
+  count exchange, the token rows (dispatch) and the expert outputs (combine) of each MoE layer: three segments per
+  layer. Each differentiable all-to-all it issued is recorded (:meth:`Tape.comm`) with its input (a tensor of the
+  segment's graph), its output (a new leaf, read only in later segments) and the function that sends the output's
+  gradient back (the reverse all-to-all, asynchronous); the count exchange has none.
 * A tensor produced in one segment and read in a later one (the residual stream around an MoE FFN, the shared
   experts' output, the balance loss, the embedding read again by MTP) is marked with :func:`carry`, which returns a
   getter: read in the same segment it gives the tensor itself, read after a boundary a leaf cut from it.
@@ -26,11 +27,14 @@ collectives):
   deferred (:func:`weight_grad`) and computed after that issue, so the reverse all-to-all has them to hide
   behind even when no partner forward runs (the last micro-batch of a step).
 
-Pairing (:class:`Tape` ``partner``): at every boundary of a forward, the partner tape (the micro-batch before) runs
-one backward step. Both run the same model on same-shaped micro-batches, so their boundaries pair one to one::
+Pairing (:class:`Tape` ``partner``): the partner tape (the micro-batch before) runs two backward steps before the
+forward starts and one at each of its boundaries (``moetrain.parallel.overlap.LEAD_STEPS``). Both run the same
+model on same-shaped micro-batches, so their segments pair one to one, and the two lead steps align the small ones
+with the small transfer::
 
-    B: loss..combine-bwd issue | F: attn+router, dispatch issue | B: experts bwd (combine-bwd waited), dispatch-bwd
-    issue | F: experts (dispatch waited), combine issue | B: attn bwd (dispatch-bwd waited) ... | F: post ...
+    B: loss, combine-bwd issue; experts bwd, dispatch-bwd issue | F: attn+router, counts issue |
+    B: shared experts + permutation bwd | F: shared experts, dispatch issue | B: attn bwd, combine-bwd issue |
+    F: experts, combine issue | B: experts bwd, dispatch-bwd issue | F: next layer's attn+router ...
 
 Every all-to-all, forward or backward, is then in flight while the other micro-batch computes. Gradients are the
 same as one backward call's (sums in another order: fp32 round-off). Without an active tape, :func:`carry` is the

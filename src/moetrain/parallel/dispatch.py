@@ -313,15 +313,16 @@ class AllToAllDispatcher:
         R, El = self.ep_size, self.n_local_experts
         keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
+        x_later, weight_later = carry(x_SD), carry(pstate.row_weight_S)  # read after the count exchange
         send_counts_RE = counts_E.view(R, El)
-        recv_counts_RE = all_to_all_counts(send_counts_RE, self.group, "dispatch (counts)", self.stats, meanwhile)
+        recv_counts_RE = self._exchange_counts(send_counts_RE, meanwhile)
         splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
-        rows_N, pending = self._all_to_all(x_SD, recv_splits, send_splits, "dispatch", rows=True)
+        rows_N, pending = self._all_to_all(x_later(), recv_splits, send_splits, "dispatch", rows=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
         self._count_rows(send_splits, x_SD)
         state = _A2AState(pstate, send_splits, recv_splits, regroup_N, None, x_TD.dtype,
-                          (~keep_TK).sum() if keep_TK is not None else 0, carry(pstate.row_weight_S))
+                          (~keep_TK).sum() if keep_TK is not None else 0, weight_later)
         self._boundary("dispatch")
         return _DispatchHandle(self, rows_N, pending, state, recv_counts_RE, capacity)
 
@@ -348,6 +349,7 @@ class AllToAllDispatcher:
         R, El, E = self.ep_size, self.n_local_experts, self.n_experts
         T, K = topk_idx_TK.shape
         dev = topk_idx_TK.device
+        x_later, weight_later = carry(x_TD), carry(topk_weight_TK)  # read after the count exchange
         # mask_RT[r, t]: token t has at least one expert on rank r, so it sends rank r one row.
         mask_RT = torch.zeros(R, T, dtype=torch.bool, device=dev)
         mask_RT.scatter_(0, (topk_idx_TK // El).t(), True)
@@ -358,7 +360,7 @@ class AllToAllDispatcher:
         assign_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(
             0, topk_idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
         counts_RC = torch.cat([mask_RT.sum(dim=1, keepdim=True), assign_E.view(R, El)], dim=1)
-        recv_counts_RC = all_to_all_counts(counts_RC, self.group, "dispatch (counts)", self.stats, meanwhile)
+        recv_counts_RC = self._exchange_counts(counts_RC, meanwhile)
         send_splits, recv_splits, recv_assign = torch.stack(
             [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
         S = sum(send_splits)
@@ -372,8 +374,8 @@ class AllToAllDispatcher:
         local_SK = topk_idx_TK[token_S] - (dest_S * El).unsqueeze(1)
         on_dest_SK = (local_SK >= 0) & (local_SK < El)
         local_SK = torch.where(on_dest_SK, local_SK, El).to(torch.int32)
-        weight_SK = torch.where(on_dest_SK, topk_weight_TK[token_S].float(), 0.0)
-        x_SD = x_TD[token_S]
+        weight_SK = torch.where(on_dest_SK, weight_later()[token_S].float(), 0.0)
+        x_SD = x_later()[token_S]
         # Metadata first (tiny): it completes before the rows, so overlapping it costs nothing and its timers do not
         # include the rows' transfer. The weights go through the differentiable all-to-all: the router's gradient
         # comes back through its backward.
@@ -396,6 +398,19 @@ class AllToAllDispatcher:
         rows_SD, pending = self._all_to_all(rows_ND, state.send_splits, state.recv_splits, "combine")
         self._boundary("combine")
         return _DedupCombineHandle(rows_SD, pending, state)
+
+    def _exchange_counts(self, counts: torch.Tensor, meanwhile: Callable[[], Any] | None) -> torch.Tensor:
+        """The count exchange the token rows wait for (its result sizes their all-to-all); ``meanwhile`` runs while
+        it is in flight. Under a phase tape the exchange also ends a segment, so the paired micro-batch's backward
+        step hides it (a latency-bound transfer the shared experts alone would not cover)."""
+        if current_tape() is None:
+            return all_to_all_counts(counts, self.group, "dispatch (counts)", self.stats, meanwhile)
+
+        def then() -> None:
+            self._boundary("counts")
+            if meanwhile is not None:
+                meanwhile()
+        return all_to_all_counts(counts, self.group, "dispatch (counts)", self.stats, then)
 
     def _all_to_all(self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], phase: str,
                     rows: bool = False) -> tuple[torch.Tensor, Pending | _Fp8Pending]:

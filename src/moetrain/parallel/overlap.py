@@ -86,6 +86,16 @@ def keep_fsdp_forward_state(module: torch.nn.Module) -> Iterator[None]:
         ctx.iter_forward_root = forward_root
 
 
+#: Backward steps of the partner run before a paired forward starts. A tape has three boundaries per MoE layer
+#: (count exchange, dispatch, combine issued) and so three backward steps: experts (waits for the combine's
+#: gradient, issues the dispatch's), shared experts and permutation (issues nothing), attention (issues the previous
+#: layer's combine gradient). Two lead steps align them so that every transfer has a large segment to hide behind:
+#: the count exchange hides behind the shared experts' backward, the dispatch behind attention's backward, the combine
+#: behind the experts' backward, and the backward's combine and dispatch gradients behind the forward's experts and
+#: attention. (With one lead step the dispatch would meet the small shared-experts step.)
+LEAD_STEPS = 2
+
+
 def run_paired(forward: Callable[[int], torch.Tensor], n_micro: int, device_type: str,
                events: list | None = None, module: torch.nn.Module | None = None) -> None:
     """Forward and backward ``n_micro`` micro-batches with micro-batch i+1's forward paired with micro-batch i's
@@ -103,7 +113,8 @@ def run_paired(forward: Callable[[int], torch.Tensor], n_micro: int, device_type
     for i in range(n_micro):
         tape = Tape(f"mb{i}", partner=prev, events=events, no_autocast=device_type, around_backward=around)
         if prev is not None:
-            prev.backward_step()  # the loss and the last segment: its combine backward is then in flight
+            for _ in range(LEAD_STEPS):  # the loss and last segment, then the last MoE layer's experts
+                prev.backward_step()
         with tape.recording():
             loss = forward(i)
         tape.finish(loss.float())
@@ -277,7 +288,8 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     def forward(partner: Tape | None) -> None:
         if partner is not None:
             partner.around_backward = lambda: keep_fsdp_forward_state(sf.submod)
-            partner.backward_step()  # the loss and the last segment: its combine backward now in flight (as PP = 1)
+            for _ in range(LEAD_STEPS):  # as at PP = 1
+                partner.backward_step()
         sf.partner = partner
         try:
             mb = f.microbatch_index
