@@ -187,8 +187,10 @@ def paired_stage(cls: type) -> type:
             defer_fsdp_reduction(self.submod)  # the schedule's REDUCE_GRAD action reduces, as without pairing
             chunk = self._chunk
             if backward_type == "weight":
+                if chunk not in self._held:  # its input backward ran without a tape (torch's own split)
+                    return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
                 with torch.autocast(self.device.type, enabled=False):
-                    for run in self._held.pop(chunk, []):
+                    for run in self._held.pop(chunk):
                         run()
                 return (), None
             meanwhile, self.meanwhile = self.meanwhile, None
