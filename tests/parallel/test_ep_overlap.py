@@ -204,6 +204,18 @@ def test_paired_fraction_counts_the_pairs_of_the_schedule_the_trainer_runs():
     assert len(dv) == 4 and all(0.85 < f < 1.0 for f in dv), dv
     il = paired_fraction("interleaved-1f1b", 2, 2, 8)
     assert all(0 < f < 1 for f in il) and il[0] < il[1], il  # rank 0 warms up longest
+    assert paired_fraction("dualpipev", 4, 2, 7) == [0.0] * 4  # fewer than the 8 it needs: refused by the trainer
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,m", [("1f1b", 4, 1, 40), ("dualpipev", 2, 2, 48), ("dualpipev", 3, 2, 50),
+                                               ("interleaved-1f1b", 2, 2, 40), ("interleaved-1f1b", 4, 2, 64)])
+def test_paired_fraction_past_the_counting_size_equals_the_full_count(schedule, pp, vpp, m):
+    """Past 4 PP x stages per rank micro-batches the unpaired passes are counted at that size: the same as counting
+    the whole order (warm-up and cool-down no longer grow)."""
+    from moetrain.parallel.overlap import _unpaired_passes
+    n_local = {"1f1b": 1, "dualpipev": 2}.get(schedule, vpp)
+    full = [1.0 - u / (2 * n_local * m) for u in _unpaired_passes(schedule, pp, vpp, m)]
+    assert paired_fraction(schedule, pp, vpp, m) == pytest.approx(full, abs=1e-12)
 
 
 @pytest.mark.parametrize("kw,msg", [

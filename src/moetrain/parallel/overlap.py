@@ -21,6 +21,7 @@ many calls, gradient reduction and resharding are switched off during the step a
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import torch
@@ -323,21 +324,34 @@ def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> li
 
     Counted on the compute order torch's schedule builds (the one the trainer runs; no processes needed), after
     :func:`pair_actions` for 1F1B and interleaved 1F1B; PP = 1 pairs micro-batch i+1's forward with i's backward
-    (:func:`run_paired`): 2 (m - 1) of 2 m passes. ZB-V pairs nothing.
+    (:func:`run_paired`): 2 (m - 1) of 2 m passes. ZB-V pairs nothing, nor does a schedule given fewer
+    micro-batches than it needs (the trainer refuses those). The unpaired passes are the warm-up and cool-down, whose
+    number stops growing with m: past 4 PP x stages per rank micro-batches they are counted at that size (the
+    planner asks for thousands of plans; tests check the two counts agree).
 
     Args:
         schedule: "1f1b", "interleaved-1f1b", "dualpipev" or "zbv" (``parallel.pp_schedule``).
         pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
-        n_microbatches: micro-batches per step (at least what the schedule needs).
+        n_microbatches: micro-batches per step.
     """
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, ScheduleInterleaved1F1B
     m = n_microbatches
     if pp == 1:
         return [(m - 1) / m if m > 1 else 0.0]
-    if schedule == "zbv":
+    n_local = {"1f1b": 1, "dualpipev": 2}.get(schedule, vpp)
+    need = 2 * pp if schedule == "dualpipev" else pp
+    if schedule == "zbv" or m < need or (schedule == "interleaved-1f1b" and m % pp):
         return [0.0] * pp
+    cap = 4 * pp * n_local  # a multiple of pp: interleaved 1F1B's rounds keep their size
+    unpaired = _unpaired_passes(schedule, pp, vpp, min(m, cap))
+    return [1.0 - u / (2 * n_local * m) for u in unpaired]
+
+
+@lru_cache(maxsize=4096)
+def _unpaired_passes(schedule: str, pp: int, vpp: int, m: int) -> tuple[int, ...]:
+    """Per rank, the chunk passes (forwards and backwards) outside OVERLAP_F_B pairs in the trainer's order."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, ScheduleInterleaved1F1B
     if schedule == "1f1b":
         orders, n_local = one_f_one_b_order(pp, m), 1
     elif schedule == "dualpipev":
@@ -354,5 +368,5 @@ def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> li
     for r in range(pp):
         acts = orders[r] if schedule == "dualpipev" else pair_actions(orders[r])
         paired = sum(2 for a in acts if a is not None and a.computation_type == OVERLAP_F_B)
-        out.append(paired / (2 * n_local * m))
-    return out
+        out.append(2 * n_local * m - paired)
+    return tuple(out)
