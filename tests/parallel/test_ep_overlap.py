@@ -214,7 +214,7 @@ def test_paired_fraction_past_the_counting_size_equals_the_full_count(schedule, 
     the whole order (warm-up and cool-down no longer grow)."""
     from moetrain.parallel.overlap import _unpaired_passes
     n_local = {"1f1b": 1, "dualpipev": 2}.get(schedule, vpp)
-    full = [1.0 - u / (2 * n_local * m) for u in _unpaired_passes(schedule, pp, vpp, m)]
+    full = [1.0 - u / (2 * n_local * m) for u in _unpaired_passes(schedule, pp, n_local, m)]
     assert paired_fraction(schedule, pp, vpp, m) == pytest.approx(full, abs=1e-12)
 
 

@@ -308,9 +308,8 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     sb.meanwhile = forward
     try:
         sb.backward_one_chunk(b.microbatch_index, loss=loss, full_backward=True, last_backward=last)
-        unrun, sb.meanwhile = sb.meanwhile, None
     finally:
-        sb.meanwhile = None
+        unrun, sb.meanwhile = sb.meanwhile, None
     if unrun is not None:  # no backward ran (forward-only evaluation: the stage has no backward)
         forward(None)
     if b.stage_index - 1 in stages:
@@ -334,36 +333,43 @@ def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> li
         pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
         n_microbatches: micro-batches per step.
     """
+    from moetrain.model.config import ConfigError
+    from moetrain.parallel.config import ParallelConfig
+    from moetrain.parallel.pipeline import check_microbatches
+
     m = n_microbatches
     if pp == 1:
         return [(m - 1) / m if m > 1 else 0.0]
-    n_local = {"1f1b": 1, "dualpipev": 2}.get(schedule, vpp)
-    need = 2 * pp if schedule == "dualpipev" else pp
-    if schedule == "zbv" or m < need or (schedule == "interleaved-1f1b" and m % pp):
+    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == "interleaved-1f1b" else 1, pp_schedule=schedule)
+    try:
+        check_microbatches(pcfg, m)
+    except ConfigError:
         return [0.0] * pp
+    if schedule == "zbv":
+        return [0.0] * pp
+    n_local = pcfg.stages_per_rank
     cap = 4 * pp * n_local  # a multiple of pp: interleaved 1F1B's rounds keep their size
-    unpaired = _unpaired_passes(schedule, pp, vpp, min(m, cap))
+    unpaired = _unpaired_passes(schedule, pp, n_local, min(m, cap))
     return [1.0 - u / (2 * n_local * m) for u in unpaired]
 
 
 @lru_cache(maxsize=4096)
-def _unpaired_passes(schedule: str, pp: int, vpp: int, m: int) -> tuple[int, ...]:
-    """Per rank, the chunk passes (forwards and backwards) outside OVERLAP_F_B pairs in the trainer's order."""
+def _unpaired_passes(schedule: str, pp: int, n_local: int, m: int) -> tuple[int, ...]:
+    """Per rank, the chunk passes (forwards and backwards) outside OVERLAP_F_B pairs in the trainer's order, with
+    ``n_local`` stages per rank."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, ScheduleInterleaved1F1B
     if schedule == "1f1b":
-        orders, n_local = one_f_one_b_order(pp, m), 1
+        orders = one_f_one_b_order(pp, m)
     elif schedule == "dualpipev":
         ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m)
         orders = {r: ScheduleDualPipeV._calculate_single_rank_operations(ns, r) for r in range(pp)}  # torch's own
-        n_local = 2
     else:
         rounds = max(1, m // pp)
-        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, n_local_stages=vpp, number_of_rounds=rounds,
+        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, n_local_stages=n_local, number_of_rounds=rounds,
                              microbatches_per_round=m // rounds)
         orders = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r) for r in range(pp)}
-        n_local = vpp
     out = []
     for r in range(pp):
         acts = orders[r] if schedule == "dualpipev" else pair_actions(orders[r])

@@ -217,7 +217,7 @@ class Plan:
             return None
         sched = self.resolved_schedule
         trainer = self.framework == "moetrain"
-        if sched in ("dualpipe", "dualpipev") and not (trainer and not self.ep_overlap):
+        if sched in ("dualpipe", "dualpipev") and (self.ep_overlap or not trainer):
             return sched
         if not self.ep_overlap:
             return None
