@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moetrain.precision.quant import (E4M3_MAX, FP8_DTYPE, cast_e4m3, e4m3_to_float, expand_tiles, fake_quantise,
-                                      quantise, scales_from_amax, tile_amax)
+                                      quantise, round_to_e4m3, scales_from_amax, tile_amax)
 
 
 def test_cast_e4m3_rounds_to_nearest_even_and_saturates():
@@ -147,3 +147,48 @@ def test_quantisation_error_bound_random(fmt: str, tile: tuple[int, int]):
     if fmt == "e8m0":
         assert torch.equal(q.scale, torch.ldexp(torch.ones_like(q.scale), torch.frexp(q.scale)[1] - 1))
     assert not math.isnan(err.max().item())
+
+
+def _e4m3_grid_and_boundaries() -> torch.Tensor:
+    """Every finite E4M3 value, every midpoint between neighbours (the ties), one fp32 ulp either side of each
+    midpoint, and fp32 zeros and subnormals: the inputs where a rounding rule can go wrong, within [-448, 448]."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8_DTYPE)
+    vals = e4m3_to_float(codes)
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(float("-inf"))
+    return torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down),
+                      torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e-45, 2.0 ** -126])]).clamp(-E4M3_MAX, E4M3_MAX)
+
+
+def test_round_to_e4m3_is_the_cast_bit_for_bit():
+    # at every tie and its neighbours (e.g. 1.0625 -> 1.0 and 1.1875 -> 1.25, to even; 0.5 * 2**-9 -> 0), and on
+    # values spread over 30 binades
+    v = _e4m3_grid_and_boundaries()
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(1 << 18, generator=g) * torch.exp(torch.randn(1 << 18, generator=g) * 5)
+    for x in (v, r.clamp(-E4M3_MAX, E4M3_MAX), torch.tensor([float("nan")])):
+        got, want = round_to_e4m3(x), cast_e4m3(x).float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+    assert round_to_e4m3(torch.tensor([1.0625, 1.1875, 0.5 * 2.0 ** -9, 304.0])).tolist() == [1.0, 1.25, 0.0, 320.0]
+    with pytest.raises(ValueError, match="fp32"):
+        round_to_e4m3(torch.ones(2, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "e8m0"])
+@pytest.mark.parametrize("tile", [(1, 128), (128, 1), (128, 128), (1, 32), (32, 1)])
+def test_fake_quantise_equals_quantise_then_dequantise(fmt: str, tile: tuple[int, int]):
+    # the reference GEMMs multiply fake_quantise's values: they must be the stored format's values exactly, for
+    # edge tiles (dims not multiples of the tile), batched experts, zero tiles, NaN / inf tiles and bf16 input
+    g = torch.Generator().manual_seed(1)
+    for shape in [(130, 300), (3, 40, 70), (129, 257)]:
+        x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g) * 3)
+        x[..., :1, :] = 0.0
+        x.view(-1)[-1] = float("nan")
+        x.view(-1)[-200] = float("-inf")
+        for src in (x, x.bfloat16()):
+            got, want = fake_quantise(src, tile, fmt), quantise(src, tile, fmt).dequantise()  # type: ignore[arg-type]
+            assert got.shape == want.shape == src.shape and got.dtype == torch.float32
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())

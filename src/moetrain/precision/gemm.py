@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from moetrain.precision.quant import Quantized
+from moetrain.precision.quant import Quantized, ScaleFormat, fake_quantise, quantise
 
 #: Tolerance of a fast path against the reference, relative to max |y|: both multiply the same FP8 values exactly
 #: and accumulate in fp32, so only the order of the additions differs (fp32 rounding, ~K * 2**-24).
@@ -94,8 +94,43 @@ def scaled_mm_fast(a: Quantized, b: Quantized) -> torch.Tensor | None:
 def fp8_mm(a: Quantized, b: Quantized) -> torch.Tensor:
     """A @ B^T in fp32 for training: the hardware path on CUDA where it applies (and on CPU when switched on),
     else the reference. A (M, K), B (N, K) -> (M, N)."""
-    if a.data.device.type == "cuda" or _CPU_FAST:
+    if uses_fp8_kernel(a.data.device):
         y = scaled_mm_fast(a, b)
         if y is not None:
             return y
     return fp8_mm_reference(a, b)
+
+
+def uses_fp8_kernel(device: torch.device) -> bool:
+    """Whether training GEMMs on ``device`` try a hardware scaled GEMM (CUDA; CPU only when switched on), and so
+    need FP8 data and scales; otherwise the reference multiplies the dequantised values, which
+    :func:`~moetrain.precision.quant.fake_quantise` gives without making the FP8 tensor."""
+    return device.type == "cuda" or _CPU_FAST
+
+
+#: A GEMM operand: FP8 data and scales (:class:`Quantized`) for a kernel, or its dequantised fp32 values.
+Operand = Quantized | torch.Tensor
+
+
+def operand(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat, kernel: bool) -> Operand:
+    """``x`` (..., M, K) quantised in ``tile``: :func:`quantise` for a kernel (``kernel``), else
+    :func:`fake_quantise`'s fp32 values (bit-equal to the dequantised :class:`Quantized`)."""
+    return quantise(x, tile, fmt) if kernel else fake_quantise(x, tile, fmt)
+
+
+def operand_t(q: Operand) -> Operand:
+    """The same quantised values transposed over the last two dims (tiles and scales with them); no
+    requantisation."""
+    if isinstance(q, Quantized):
+        return Quantized(q.data.transpose(-2, -1), q.scale.transpose(-2, -1), (q.tile[1], q.tile[0]), q.fmt)
+    return q.transpose(-2, -1)
+
+
+def operand_mm(a: Operand, b: Operand) -> torch.Tensor:
+    """A @ B^T in fp32 of two operands from :func:`operand`: A (M, K), B (N, K) -> (M, N). :func:`fp8_mm` for
+    quantised ones, the fp32 product of the values otherwise (the reference's own GEMM)."""
+    if isinstance(a, Quantized) and isinstance(b, Quantized):
+        return fp8_mm(a, b)
+    if isinstance(a, Quantized) or isinstance(b, Quantized):
+        raise TypeError("operand_mm needs both operands quantised or both as values")
+    return a @ b.transpose(-2, -1)

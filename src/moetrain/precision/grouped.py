@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
-from moetrain.precision.quant import Quantized, quantise
+from moetrain.precision.quant import fake_quantise
 from moetrain.precision.recipe import Fp8Recipe
 
 
@@ -122,13 +122,13 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
     @runs_no_bf16_gemm
     def forward(ctx: Any, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: Fp8Recipe,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        xq = quantise(x_PK, recipe.row_tile, recipe.fmt)
-        wq = quantise(w_ENK, recipe.weight_fprop_tile, recipe.fmt)
+        xq = fake_quantise(x_PK, recipe.row_tile, recipe.fmt)
+        wq = fake_quantise(w_ENK, recipe.weight_fprop_tile, recipe.fmt)
         with torch.autocast(x_PK.device.type, enabled=False):
-            y = _gmm(xq.dequantise(), wq.dequantise(), offs_E)
+            y = _gmm(xq, wq, offs_E)
         ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x_PK.dtype, w_ENK.dtype
         if recipe.requantise_saved_input:
-            ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale, offs_E)
+            ctx.save_for_backward(xq, wq, offs_E)
         else:
             ctx.save_for_backward(x_PK, w_ENK, offs_E)
         return y.to(out_dtype)
@@ -138,9 +138,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
     def backward(ctx: Any, dy_PN: torch.Tensor):  # type: ignore[override]
         r: Fp8Recipe = ctx.recipe
         if r.requantise_saved_input:
-            x_data, x_scale, w_data, w_scale, offs_E = ctx.saved_tensors
-            x_src = Quantized(x_data, x_scale, r.row_tile, r.fmt).dequantise()
-            w_dgrad = Quantized(w_data, w_scale, r.weight_fprop_tile, r.fmt).dequantise()
+            x_src, w_dgrad, offs_E = ctx.saved_tensors
         else:
             x_src, w_ENK, offs_E = ctx.saved_tensors
             w_dgrad = None
@@ -148,12 +146,12 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         with torch.autocast(dy_PN.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 if w_dgrad is None:
-                    w_dgrad = quantise(w_ENK, r.weight_dgrad_tile, r.fmt).dequantise()
-                dyq = quantise(dy_PN, r.row_tile, r.fmt).dequantise()
+                    w_dgrad = fake_quantise(w_ENK, r.weight_dgrad_tile, r.fmt)
+                dyq = fake_quantise(dy_PN, r.row_tile, r.fmt)
                 dx = _gmm(dyq, w_dgrad.transpose(-2, -1), offs_E).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dyq_t = quantise(dy_PN, r.col_tile, r.fmt).dequantise()
-                xq_t = quantise(x_src, r.col_tile, r.fmt).dequantise()
+                dyq_t = fake_quantise(dy_PN, r.col_tile, r.fmt)
+                xq_t = fake_quantise(x_src, r.col_tile, r.fmt)
                 dw = _gmm_wgrad(dyq_t, xq_t, offs_E).to(ctx.w_dtype)
         return dx, dw, None, None, None
 

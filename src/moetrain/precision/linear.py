@@ -2,7 +2,8 @@
 
 Reference numerics: each GEMM multiplies the dequantised FP8 operands in fp32 (``quant.fake_quantise``), which is
 what an FP8 tensor-core GEMM with fp32 accumulation computes up to the order of the additions. Where a kernel
-exists (``gemm.fp8_mm``: ``torch.nn.functional.scaled_mm`` on CUDA) the same quantised operands go through it.
+exists (``gemm.uses_fp8_kernel``: ``torch.nn.functional.scaled_mm`` on CUDA) the same quantised operands go
+through it (``gemm.operand`` / ``gemm.operand_mm``).
 
 Shape legend: M rows (tokens), K in-features, N out-features.
 """
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetrain.precision.gemm import fp8_mm
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
-from moetrain.precision.quant import Quantized, quantise
+from moetrain.precision.gemm import operand, operand_mm, operand_t, uses_fp8_kernel
+from moetrain.precision.quant import Quantized, ScaleFormat
 from moetrain.precision.recipe import Fp8Recipe
 
 
@@ -31,22 +32,25 @@ class Fp8LinearFunction(torch.autograd.Function):
     """y_MN = x_MK @ W_NK^T with fprop, dgrad and wgrad GEMMs in FP8 (both operands quantised per ``recipe``).
 
     forward(x_MK, w_NK, recipe) -> y_MN in the autocast dtype (else x's dtype). backward gives dx in x's dtype and
-    dW in W's dtype (the fp32 master weight's gradient). Saves the FP8 copy of x (data + scales) and, for
-    square-block recipes, the quantised W, as DeepSeek-V3 caches them.
+    dW in W's dtype (the fp32 master weight's gradient). For square-block recipes the quantised x and W are
+    saved, as DeepSeek-V3 caches them: as FP8 data and scales where a hardware GEMM runs
+    (``gemm.uses_fp8_kernel``), as their dequantised fp32 values on the reference path, which multiplies those
+    values (the same numbers; 4 bytes an element instead of 1).
     """
 
     @staticmethod
     @runs_no_bf16_gemm
     def forward(ctx: Any, x_MK: torch.Tensor, w_NK: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
         out_dtype = _out_dtype(x_MK)
-        xq = quantise(x_MK, recipe.row_tile, recipe.fmt)
-        wq = quantise(w_NK, recipe.weight_fprop_tile, recipe.fmt)
+        kernel = uses_fp8_kernel(x_MK.device)
+        xq = operand(x_MK, recipe.row_tile, recipe.fmt, kernel)
+        wq = operand(w_NK, recipe.weight_fprop_tile, recipe.fmt, kernel)
         with torch.autocast(x_MK.device.type, enabled=False):
-            y = fp8_mm(xq, wq)
-        ctx.recipe = recipe
+            y = operand_mm(xq, wq)
+        ctx.recipe, ctx.kernel = recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x_MK.dtype, w_NK.dtype
         if recipe.requantise_saved_input:
-            ctx.save_for_backward(xq.data, xq.scale, wq.data, wq.scale)
+            ctx.save_for_backward(*_unpack(xq), *_unpack(wq))
         else:
             ctx.save_for_backward(x_MK, w_NK)
         return y.to(out_dtype)
@@ -55,31 +59,37 @@ class Fp8LinearFunction(torch.autograd.Function):
     @runs_no_bf16_gemm
     def backward(ctx: Any, dy_MN: torch.Tensor):  # type: ignore[override]
         r: Fp8Recipe = ctx.recipe
+        kernel = ctx.kernel
         if r.requantise_saved_input:
-            x_data, x_scale, w_data, w_scale = ctx.saved_tensors
-            x_src = Quantized(x_data, x_scale, r.row_tile, r.fmt).dequantise()
-            wq_dgrad = Quantized(w_data, w_scale, r.weight_fprop_tile, r.fmt)
+            saved = ctx.saved_tensors
+            half = len(saved) // 2
+            xq = _pack(saved[:half], r.row_tile, r.fmt)
+            x_src = xq.dequantise() if isinstance(xq, Quantized) else xq
+            wq_dgrad = _pack(saved[half:], r.weight_fprop_tile, r.fmt)
         else:
             x_src, w_NK = ctx.saved_tensors
             wq_dgrad = None
         dx = dw = None
         with torch.autocast(dy_MN.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dyq = quantise(dy_MN, r.row_tile, r.fmt)
+                dyq = operand(dy_MN, r.row_tile, r.fmt, kernel)
                 if wq_dgrad is None:
-                    wq_dgrad = quantise(w_NK, r.weight_dgrad_tile, r.fmt)
-                # dx = dy W: W^T (K, N) is the "(N', K')" operand of fp8_mm with contraction over N.
-                dx = fp8_mm(dyq, _transpose(wq_dgrad)).to(ctx.x_dtype)
+                    wq_dgrad = operand(w_NK, r.weight_dgrad_tile, r.fmt, kernel)
+                # dx = dy W: W^T (K, N) is the "(N', K')" operand of the GEMM with contraction over N.
+                dx = operand_mm(dyq, operand_t(wq_dgrad)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dyq_t = quantise(dy_MN, r.col_tile, r.fmt)
-                xq_t = quantise(x_src, r.col_tile, r.fmt)
-                dw = fp8_mm(_transpose(dyq_t), _transpose(xq_t)).to(ctx.w_dtype)
+                dyq_t = operand(dy_MN, r.col_tile, r.fmt, kernel)
+                xq_t = operand(x_src, r.col_tile, r.fmt, kernel)
+                dw = operand_mm(operand_t(dyq_t), operand_t(xq_t)).to(ctx.w_dtype)
         return dx, dw, None
 
 
-def _transpose(q: Quantized) -> Quantized:
-    """The same quantised values transposed (tiles and scales transposed with them); no requantisation."""
-    return Quantized(q.data.transpose(-2, -1), q.scale.transpose(-2, -1), (q.tile[1], q.tile[0]), q.fmt)
+def _unpack(q: Quantized | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (q.data, q.scale) if isinstance(q, Quantized) else (q,)
+
+
+def _pack(saved: tuple[torch.Tensor, ...], tile: tuple[int, int], fmt: ScaleFormat) -> Quantized | torch.Tensor:
+    return Quantized(saved[0], saved[1], tile, fmt) if len(saved) == 2 else saved[0]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
