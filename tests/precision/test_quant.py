@@ -192,3 +192,13 @@ def test_fake_quantise_equals_quantise_then_dequantise(fmt: str, tile: tuple[int
             assert got.shape == want.shape == src.shape and got.dtype == torch.float32
             assert torch.equal(torch.isnan(got), torch.isnan(want))
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_fake_quantise_saturates_under_a_subnormal_scale():
+    # amax 6.6e-43: amax / 448 is an fp32 subnormal (one bit), so amax / s is 470, past E4M3's 448 by more than
+    # half a step (464): both paths must saturate it
+    x = torch.tensor([[6.5861e-43, 5e-43, -1e-43, 0.0]])
+    assert (x / (x.abs().max() / E4M3_MAX)).max() > 464
+    got, want = fake_quantise(x, (1, 128), "fp32"), quantise(x, (1, 128), "fp32").dequantise()
+    assert torch.equal(got, want)
+    assert (quantise(x, (1, 128), "fp32").data.float().abs() <= E4M3_MAX).all()

@@ -49,7 +49,7 @@ def test_apply_fp8_on_meta_keeps_parameters_and_high_precision_modules():
 
 
 def _train(model: nn.Module, cfg, batches) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     losses = []
     for tok, lab in batches:
         with cpu_bf16_gemms("cpu", torch.bfloat16):  # the trainer's CPU bf16 (docs/fp8.md)
@@ -65,18 +65,21 @@ def _train(model: nn.Module, cfg, batches) -> list[float]:
 
 
 def test_fp8_training_follows_bf16():
+    # lr 1e-3 over 24 steps: at 3e-3 the first 16 steps are chaotic (an fp32 run ended 6.5% from the BF16 one,
+    # and a change of the attention kernel alone moved the FP8 gap from 0% to 3.4%); here fp32 ends within 0.02%
+    # of BF16 and both FP8 recipes within 0.5%, while the loss falls by 30%.
     torch.manual_seed(0)
     cfg = _tiny()
     base = build_model(cfg, device="cpu")
-    batches = synthetic_batches(cfg.vocab_size, 16)
+    batches = synthetic_batches(cfg.vocab_size, 24)
     ref = _train(copy.deepcopy(base), cfg, batches)
-    assert sum(ref[-4:]) / 4 < 0.85 * ref[0]  # it learns: the test can tell a broken backward
+    assert sum(ref[-8:]) / 8 < 0.8 * ref[0]  # it learns: the test can tell a broken backward
     for recipe in ("blockwise", "mxfp8"):
         model = copy.deepcopy(base)
         apply_fp8(model, recipe)
         got = _train(model, cfg, batches)
-        gap = (sum(got[-4:]) - sum(ref[-4:])) / sum(ref[-4:])
-        assert abs(gap) < 0.02, (recipe, got[-4:], ref[-4:])
+        gap = (sum(got[-8:]) - sum(ref[-8:])) / sum(ref[-8:])
+        assert abs(gap) < 0.01, (recipe, got[-8:], ref[-8:])
 
 
 def test_planner_precisions_map_one_to_one_onto_the_config_fields():

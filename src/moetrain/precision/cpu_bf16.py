@@ -10,10 +10,17 @@ AMX; this project's machines are AVX2) it is a fallback 10-100x slower than fp32
 :class:`EmulatedBf16Gemms` swaps the kernel and nothing else. It is a ``TorchDispatchMode``: it sits below autocast
 and autograd, so autocast still casts the same operands to bf16, every GEMM still returns bf16, autograd still
 saves the bf16 tensors and runs the same backward GEMMs (which the mode sees too: the backward runs on the thread
-that entered it), and every non-GEMM op (attention core, softmax, norms, casts) runs as torch runs it. Only the
-ops in :data:`EMULATED_GEMMS` whose floating-point operands are all bf16 dense CPU tensors are rerouted; anything
-else (fp32 GEMMs, such as the FP8 reference GEMMs, which run with autocast off; tensor subclasses; other devices)
-passes through untouched.
+that entered it), and every other op (softmax, norms, casts) runs as torch runs it. Only the ops in
+:data:`EMULATED_GEMMS` whose floating-point operands are all bf16 dense CPU tensors are rerouted; anything else
+(fp32 GEMMs, such as the FP8 reference GEMMs, which run with autocast off; tensor subclasses; other devices) passes
+through untouched.
+
+The attention core's fused kernel (:data:`EMULATED_ATTENTION`, SDPA's CPU flash attention, forward and backward)
+is rerouted the same way: with bf16 q, k, v it runs torch's fp32 kernel on the same bf16 values and returns bf16
+outputs and gradients (the logsumexp stays fp32, as torch's bf16 kernel returns it). A GPU flash-attention kernel
+takes bf16 inputs, accumulates QK^T and PV in fp32 and writes bf16; it also rounds the probabilities P to bf16 before
+the PV GEMM, which the fp32 kernel does not: the emulation differs from it by that one rounding of P (2**-9
+relative), as torch's CPU bf16 kernel differs from it in its own block order.
 
 Agreement with torch's bf16 GEMM: both are fp32 sums of the same exact products, in different orders, each
 rounded to bf16 once, so elementwise |emulated - torch| <= :data:`EMULATION_RTOL` * max(|emulated|, |torch|) +
@@ -38,6 +45,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 EMULATED_GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
                             aten.addbmm.default, aten._grouped_mm.default})
 
+#: The attention core's fused CPU kernels (two GEMMs around a softmax), forward and backward: on AVX2 torch's bf16
+#: flash-attention backward was about a third of a BF16 tiny-preset step, 2-3x its fp32 time (BENCHMARKS.md, "FP8").
+EMULATED_ATTENTION = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+
 #: Two bf16 roundings of sums of the same products: at most one bf16 unit in the last place (2**-7 relative to
 #: the larger result) apart, plus the fp32 accumulation-order term stated in the module docstring.
 EMULATION_RTOL = 2.0 ** -7
@@ -58,7 +70,15 @@ class EmulatedBf16Gemms(TorchDispatchMode):
     bf16 (M, N); ``_grouped_mm``'s ``out_dtype`` is honoured (bf16 when unset). Results agree with torch's bf16
     kernel within the bound in the module docstring.
     Thread-local, like every dispatch mode: enter it on the thread that runs forward and ``backward()``.
+
+    Args:
+        attention: also reroute the attention core (:data:`EMULATED_ATTENTION`); False leaves it to torch's bf16
+            kernel (tests compare the GEMM emulation alone against torch's kernels with it).
     """
+
+    def __init__(self, attention: bool = True) -> None:
+        super().__init__()
+        self.attention = attention
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -73,6 +93,14 @@ class EmulatedBf16Gemms(TorchDispatchMode):
                     out_dtype = kwargs.pop("out_dtype", None) or torch.bfloat16
                 y = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
                 return y.to(out_dtype)
+        if self.attention and func in EMULATED_ATTENTION:
+            q = args[1] if func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default else args[0]
+            if _is_cpu_bf16(q):
+                outs = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
+                # forward: (output, logsumexp); torch's bf16 kernel returns the logsumexp in fp32, as here.
+                # backward: (grad_query, grad_key, grad_value), in the inputs' bf16.
+                n_bf16 = 1 if func is aten._scaled_dot_product_flash_attention_for_cpu.default else 3
+                return tuple(o.to(torch.bfloat16) if i < n_bf16 else o for i, o in enumerate(outs))
         return func(*args, **kwargs)
 
 
