@@ -5,8 +5,11 @@
 Prints (one thread, as each rank of the 2-process tiny run has):
 * GEMMs at the tiny preset's shapes: fp32, torch's bf16 kernel, and moetrain.precision.cpu_bf16's emulation;
 * float8_e4m3fn -> fp32: torch's ``.float()`` against ``quant.e4m3_to_float``;
+* the FP8 reference's operand: ``quantise(...).dequantise()`` (fp8 tensor, table back) against ``fake_quantise``
+  (the same values by fp32 rounding, what the training GEMMs multiply), 2048 x 384 in 1x128 and 128x1 tiles;
 * forward + backward of the tiny preset on 32 x 64 tokens (one rank's micro-batch): fp32, bf16 autocast with
-  torch's kernels, bf16 autocast emulated, and both FP8 recipes under the emulation.
+  torch's kernels, bf16 autocast emulated (GEMMs only, and GEMMs plus the attention core, the trainer's), and both
+  FP8 recipes under the trainer's emulation.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from moetrain.model.config import get_preset
 from moetrain.model.transformer import build_model
 from moetrain.precision import FP8_DTYPE, apply_fp8
 from moetrain.precision.cpu_bf16 import EmulatedBf16Gemms
-from moetrain.precision.quant import e4m3_to_float
+from moetrain.precision.quant import e4m3_to_float, fake_quantise, quantise
 
 
 def best_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
@@ -63,12 +66,19 @@ def main() -> None:
     t = best_ms({"float": x8.float, "table": lambda: e4m3_to_float(x8)}, args.reps * 3)
     print(f"e4m3 -> fp32, 9216 x 128: .float() {t['float']:.2f} ms, e4m3_to_float {t['table']:.2f} ms")
 
+    dy = torch.randn(2048, 384)
+    for tile in ((1, 128), (128, 1)):
+        t = best_ms({"q+deq": lambda: quantise(dy, tile).dequantise(), "fake": lambda: fake_quantise(dy, tile)},
+                    args.reps * 3)
+        print(f"FP8 operand 2048 x 384, tile {tile}: quantise+dequantise {t['q+deq']:.2f} ms, "
+              f"fake_quantise {t['fake']:.2f} ms")
+
     cfg = get_preset("tiny")
     base = build_model(cfg, device="cpu")
     tok = torch.randint(0, cfg.vocab_size, (32, 64))
     lab = torch.randint(0, cfg.vocab_size, (32, 64))
     models = {"fp32": (base, None, False), "bf16 torch kernels": (base, None, True),
-              "bf16 emulated": (base, None, True)}
+              "bf16 emulated GEMMs": (base, None, True), "bf16 emulated": (base, None, True)}
     for r in ("blockwise", "mxfp8"):
         m = copy.deepcopy(base)
         apply_fp8(m, r)
@@ -78,7 +88,10 @@ def main() -> None:
         m, _, amp = models[name]
 
         def step() -> None:
-            mode = EmulatedBf16Gemms() if "emulated" in name else contextlib.nullcontext()
+            if "emulated" in name:
+                mode = EmulatedBf16Gemms(attention=not name.endswith("GEMMs"))
+            else:
+                mode = contextlib.nullcontext()
             with mode:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                     out = m(tok, lab)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,8 @@ def _run(moetrain: str, preset: str, steps: int, eval_every: int, fp8: str, out:
     cmd = [moetrain, "train", "--preset", preset, "--steps", str(steps), "--out", str(out),
            "--set", f"train.eval_every={eval_every}", "--set", "train.ckpt_every=0", "--set", "train.dtype=bf16",
            "--set", f"train.fp8={fp8}", *extra]
+    if out.exists():
+        shutil.rmtree(out)  # an unfinished run: start it again
     t0 = time.perf_counter()
     log = out.with_suffix(".log")
     with open(log, "w") as f:
@@ -99,16 +102,23 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=["blockwise", "mxfp8"])
     ap.add_argument("--warmup", type=int, default=20, help="steps excluded from the train-loss gap (the "
                     "preset's train.warmup_steps)")
+    ap.add_argument("--work", help="keep the runs in this folder (default: a temporary one); a run that finished "
+                    "there before (its metrics end with a summary) is read again, not repeated")
     ap.add_argument("--set", action="append", default=[], help="extra --set for every run (e.g. train.lr=1e-3)")
     args = ap.parse_args()
     moetrain = str(Path(sys.executable).with_name("moetrain"))
     extra = [a for s in args.set for a in ("--set", s)]
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(args.work) if args.work else Path(tmp)
+        d.mkdir(parents=True, exist_ok=True)
         runs, wall = {}, {}
         for fp8 in ["none", *args.recipes]:
-            wall[fp8] = _run(moetrain, args.preset, args.steps, args.eval_every, fp8, Path(d) / fp8, extra)
-            runs[fp8] = _records(Path(d) / fp8)
-            print(f"fp8={fp8}: {wall[fp8]:.0f} s", flush=True)
+            rs = _records(d / fp8) if (d / fp8 / "metrics.jsonl").exists() else []
+            done = any(r.get("kind") == "summary" and r.get("steps") == args.steps for r in rs)
+            wall[fp8] = None if done else _run(moetrain, args.preset, args.steps, args.eval_every, fp8, d / fp8,
+                                               extra)
+            runs[fp8] = _records(d / fp8)
+            print(f"fp8={fp8}: " + ("read from an earlier run" if done else f"{wall[fp8]:.0f} s"), flush=True)
     res = compare(runs, args.warmup)
     md = render(res, args)
     print(md)
