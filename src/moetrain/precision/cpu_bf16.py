@@ -47,8 +47,11 @@ EMULATED_GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.defaul
 
 #: The attention core's fused CPU kernels (two GEMMs around a softmax), forward and backward: on AVX2 torch's bf16
 #: flash-attention backward was about a third of a BF16 tiny-preset step, 2-3x its fp32 time (BENCHMARKS.md, "FP8").
-EMULATED_ATTENTION = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
-                                aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+#: Per kernel: (position of the query among its arguments, how many leading outputs are bf16). Forward returns
+#: (output, logsumexp), the logsumexp in fp32 as torch's bf16 kernel returns it; backward returns the three
+#: gradients in the inputs' bf16.
+EMULATED_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1),
+                      aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 3)}
 
 #: Two bf16 roundings of sums of the same products: at most one bf16 unit in the last place (2**-7 relative to
 #: the larger result) apart, plus the fp32 accumulation-order term stated in the module docstring.
@@ -94,12 +97,9 @@ class EmulatedBf16Gemms(TorchDispatchMode):
                 y = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
                 return y.to(out_dtype)
         if self.attention and func in EMULATED_ATTENTION:
-            q = args[1] if func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default else args[0]
-            if _is_cpu_bf16(q):
+            q_arg, n_bf16 = EMULATED_ATTENTION[func]
+            if _is_cpu_bf16(args[q_arg]):
                 outs = func(*map(_up, args), **{k: _up(v) for k, v in kwargs.items()})
-                # forward: (output, logsumexp); torch's bf16 kernel returns the logsumexp in fp32, as here.
-                # backward: (grad_query, grad_key, grad_value), in the inputs' bf16.
-                n_bf16 = 1 if func is aten._scaled_dot_product_flash_attention_for_cpu.default else 3
                 return tuple(o.to(torch.bfloat16) if i < n_bf16 else o for i, o in enumerate(outs))
         return func(*args, **kwargs)
 

@@ -130,9 +130,16 @@ def _untiled(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return out if (Mt * tr, Nt * tc) == (M, N) else out[..., :M, :N]
 
 
+def _tiled_amax(xt: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of each tile of a :func:`_tiled` view: (..., Mt, tr, Nt, tc) -> (..., Mt, 1, Nt, 1).
+    As max(amax, -amin): two reductions and no |x| tensor; NaN propagates through both."""
+    dims = (-3, -1)
+    return torch.maximum(xt.amax(dim=dims, keepdim=True), xt.amin(dim=dims, keepdim=True).neg_())
+
+
 def tile_amax(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
     """Largest magnitude of each tile of the last two dims: (..., M, N) -> fp32 (..., Mt, Nt). NaN propagates."""
-    return _tiled(x.float(), tile)[0].abs().amax(dim=(-3, -1))
+    return _tiled_amax(_tiled(x.float(), tile)[0])[..., 0, :, 0]
 
 
 def scales_from_amax(amax: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
@@ -169,14 +176,21 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
     Returns a :class:`Quantized` with data ``cast_e4m3(x / s)`` and scales ``s`` from :func:`scales_from_amax`.
     Raises ValueError for a tensor of fewer than 2 dims or a tile dim < 1.
     """
+    xt, scale = _tiled_with_scales(x, tile, fmt, "quantise")
+    data = _untiled(cast_e4m3(xt / scale), x.shape).contiguous()
+    return Quantized(data, scale[..., 0, :, 0], tuple(tile), fmt)
+
+
+def _tiled_with_scales(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat, caller: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as fp32 tiles (:func:`_tiled`) and each tile's scale, (..., Mt, 1, Nt, 1): the one definition that
+    :func:`quantise` and :func:`fake_quantise` share. Raises ValueError for fewer than 2 dims or a tile dim < 1."""
     if x.dim() < 2:
-        raise ValueError(f"quantise needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
+        raise ValueError(f"{caller} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
     if min(tile) < 1:
         raise ValueError(f"tile {tile} must have positive dims")
     xt, _ = _tiled(x.float(), tile)
-    scale = scales_from_amax(xt.abs().amax(dim=(-3, -1)), fmt)
-    data = _untiled(cast_e4m3(xt / scale.unsqueeze(-1).unsqueeze(-3)), x.shape).contiguous()
-    return Quantized(data, scale, tuple(tile), fmt)
+    return xt, scales_from_amax(_tiled_amax(xt), fmt)
 
 
 def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
@@ -190,7 +204,7 @@ def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
     ``v + c`` stays in c's binade, so ``(v + c) - c`` is ``v`` rounded to E4M3's grid with E4M3's tie rule (c is
     an even multiple of the step, so the parity of the sum's last bit is that of the E4M3 fraction). 2**e is the
     exponent field of v's bits (0 for zero and fp32 subnormals, which then take the subnormal step). NaN stays
-    NaN (its exponent field makes c infinite). On CPU this is about 6x faster than the fp8 cast and table back
+    NaN (its exponent field makes c infinite). On CPU it is faster than the fp8 cast and the table back
     (BENCHMARKS.md, "FP8"); it is what the reference GEMMs multiply.
     """
     if v.dtype != torch.float32:
@@ -209,15 +223,7 @@ def _round_to_e4m3_(v: torch.Tensor) -> torch.Tensor:
 def fake_quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> torch.Tensor:
     """The fp32 values an FP8 GEMM multiplies, (..., M, N): bit for bit ``quantise(x, tile, fmt).dequantise()``,
     computed without the fp8 tensor (:func:`round_to_e4m3`). Raises ValueError as :func:`quantise` does."""
-    if x.dim() < 2:
-        raise ValueError(f"fake_quantise needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
-    if min(tile) < 1:
-        raise ValueError(f"tile {tile} must have positive dims")
-    xt, _ = _tiled(x.float(), tile)
-    dims = (-3, -1)
-    # max |x| as max(amax, -amin): two reductions, no |x| tensor; NaN propagates through both
-    amax = torch.maximum(xt.amax(dim=dims, keepdim=True), xt.amin(dim=dims, keepdim=True).neg_())
-    scale = scales_from_amax(amax, fmt)
+    xt, scale = _tiled_with_scales(x, tile, fmt, "fake_quantise")
     # the clamp matters for fp32 scales too: an amax below ~1e-41 gives a subnormal amax / 448, coarse enough
     # that x / s exceeds 448 by more than half a step
     v = (xt / scale).clamp_(-E4M3_MAX, E4M3_MAX)
