@@ -85,6 +85,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false", default=None)
     g.add_argument("--fsdp", dest="fsdp", action="store_true", default=None,
                    help="FSDP2 / ZeRO-3: parameters gathered for every micro-batch (as `moetrain train` does)")
+    g.add_argument("--fused-mlp", dest="fused_mlp", action="store_true", default=None,
+                   help="the routed experts as one fused grouped-MLP kernel (GEMM + SwiGLU + quantisation; "
+                   "Megatron-Bridge cutedsl_fused_grouped_mlp, as the 26.06 record recipes)")
+    g.add_argument("--no-fused-mlp", dest="fused_mlp", action="store_false", default=None)
     g = p.add_argument_group("what to do")
     g.add_argument("--records", action="store_true", help="predict every published row of docs/reference.md section 4 "
                    "and compare (takes no plan flags: each row is predicted with its own plan)")
@@ -154,7 +158,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     if args.recompute_modules:
         changes["recompute_modules"] = tuple(x.strip() for x in args.recompute_modules.split(",") if x.strip())
         changes.setdefault("recompute", "selective")
-    for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp"):
+    for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp"):
         if getattr(args, f, None) is not None:
             changes[f] = getattr(args, f)
     if rec and changes:
@@ -167,6 +171,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
             # another framework's recipe: its dispatcher and CUDA-graph defaults, unless given
             changes.setdefault("dispatcher", None)
             changes.setdefault("cuda_graphs", None)
+            changes.setdefault("fused_mlp", False)
     if rec and args.gpus and args.gpus != rec.n_gpus and "dp" not in changes:
         changes["dp"] = None
     if changes:
@@ -270,8 +275,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     """The flags given on top of ``--record`` (what makes this plan differ from the published one)."""
     out = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, _, _ in _PLAN_FLAGS
            if getattr(args, flag, None) is not None]
-    for f in ("recompute_modules", "ep_overlap", "fp8_param", "dp_overlap", "fsdp", "gpus", "gpu", "model",
-              "nic_gbit", "nvlink_domain"):
+    for f in ("recompute_modules", "ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp", "gpus", "gpu",
+              "model", "nic_gbit", "nvlink_domain"):
         v = getattr(args, f, None)
         if v is not None and v != []:
             out.append(f"--{f.replace('_', '-')} {v}")

@@ -31,6 +31,13 @@ class Efficiency:
         a2a_latency_s: fixed cost of one dispatch or one combine call (kernel launch, handshakes, metadata).
         comm_sm_share: share of the SMs the all-to-all kernels occupy while they run; when communication is
             overlapped with compute, the compute runs on the remaining SMs.
+        gemm_k0: the fixed cost of one output tile of a tensor-core GEMM (prologue, pipeline fill, epilogue),
+            expressed as the contraction length K whose main loop takes as long, for BF16. A GEMM pass of
+            contraction K runs at ``K / (K + K0)`` of its large-K rate; the GEMM efficiencies above are quoted
+            at ``GEMM_REF_K``. The fixed cost is a time, so an FP8 main loop, which consumes K twice as fast,
+            has ``K0 = 2 gemm_k0``.
+        wgrad_fp8: rate of an FP8 weight-gradient GEMM (contraction over tokens, FP32 accumulation into the
+            gradient) relative to a forward GEMM of the same contraction length.
     """
 
     generation: str
@@ -44,13 +51,32 @@ class Efficiency:
     nic: float
     a2a_latency_s: float
     comm_sm_share: float
+    gemm_k0: float = 0.0
+    wgrad_fp8: float = 1.0
 
     def gemm(self, precision: str) -> float:
         return self.gemm_bf16 if precision in ("bf16", "fp32") else self.gemm_fp8
 
+    def tile_k0(self, fp8: bool) -> float:
+        """K0 of :attr:`gemm_k0` for a BF16 (``fp8`` False) or FP8 tensor-core GEMM."""
+        return self.gemm_k0 * (2.0 if fp8 else 1.0)
+
+    def shape_factor(self, k: float, fp8: bool) -> float:
+        """Rate of a tensor-core GEMM pass with contraction length ``k`` relative to the same GEMM at
+        ``GEMM_REF_K``: ``(k / (k + K0)) / (K_ref / (K_ref + K0))`` (1 when ``gemm_k0`` is 0)."""
+        k0 = self.tile_k0(fp8)
+        if k0 <= 0 or k <= 0:
+            return 1.0
+        return (k / (k + k0)) / (GEMM_REF_K / (GEMM_REF_K + k0))
+
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
 
+
+#: Contraction length at which the generations' GEMM efficiencies are quoted: the 8,192^3 GEMMs of the
+#: measurements they come from (docs/performance-model.md, "The constants"). Other contraction lengths scale by
+#: :meth:`Efficiency.shape_factor`.
+GEMM_REF_K = 8192.0
 
 #: Hopper: H100, H800, H200.
 HOPPER = Efficiency(
@@ -83,6 +109,15 @@ HOPPER = Efficiency(
     a2a_latency_s=30e-6,
     # DeepSeek-V3 dedicates 20 of 132 SMs to communication (0.15); Megatron's HybridEP default is 32 SMs (0.24).
     comm_sm_share=0.20,
+    # DeepGEMM's H800 FP8 table (README at 327ec92, M = 4096): K = 512 / 1,536 / 2,048 / 7,168 / 16,384 run at
+    # 775 / 1,212 / 1,168 / 1,410 / 1,520 TFLOP/s; R K / (K + K0) fits them with K0 = 500 (least squares in log,
+    # rms 3.4%; the N = 2,112 row, a wave-quantised grid of 3.4 waves on 132 SMs, left out). That is FP8; the
+    # BF16 K0 is half (the fixed cost is a time per tile).
+    gemm_k0=250.0,
+    # DeepGEMM PR #95 (H800): FP8 weight-gradient GEMMs at 4,096 tokens run at 878-994 TFLOP/s for the weights
+    # whose forward GEMMs the README table gives; against the forward rate at the same contraction length (the
+    # shape factor above) that is 0.64-0.86, median 0.70.
+    wgrad_fp8=0.70,
 )
 
 #: Blackwell: B200, B300, GB200 NVL72, GB300 NVL72.
@@ -95,8 +130,10 @@ BLACKWELL = Efficiency(
     gemm_fp8=0.70,
     # NVIDIA measured its MXFP8 grouped GEMM (multi-stream cuBLAS) for DeepSeek-V3's expert shapes (K = 7,168,
     # N = 2,048) at 2,672 TFLOP/s on GB200 with L2 flushed ("Optimizing DeepSeek-V3 Training Performance on GB200
-    # NVL72", Megatron-LM docs): 0.53 of the 5 PFLOP/s FP8 peak = 0.76 of gemm_fp8.
-    grouped_gemm=0.76,
+    # NVL72", Megatron-LM docs). The dense rate the model gives that GB200 GEMM is 5 PF x gemm_fp8 (0.70) x
+    # GB200's tensor_sustain (0.852, hardware.CATALOGUE) x shape_factor(7,168, FP8) (0.987) = 2,943: grouped is
+    # 2,672 / 2,943 = 0.91 of dense, as DeepGEMM's grouped kernels are of its dense ones on Hopper.
+    grouped_gemm=0.91,
     # cuDNN / FlashAttention-4 on B200: forward ~1.6 of 2.25 PFLOP/s BF16 (0.7), backward ~0.45 -> 0.50 overall.
     attention=0.50,
     sfu=0.80,
@@ -107,6 +144,17 @@ BLACKWELL = Efficiency(
     nic=0.85,  # same RDMA goodput as Hopper (ConnectX-7/8)
     a2a_latency_s=30e-6,
     comm_sm_share=0.20,  # HybridEP / DeepEP SM budget of ~24-32 of 148 SMs
+    # cuBLAS BF16 on a B200, M = N = 8,192 (pytorch-labs/tritonbench PR #1011): K = 1,024 / 2,048 / 4,096 / 8,192
+    # at 714 / 839 / 915 / 959 TFLOP/s; each K against 8,192 gives K0 = 421 / 409 / 415. FP8 twice that (830):
+    # the MXFP8 GEMMs of facebookexperimental/triton PR #2803 (B200) at K = 512 and K ~ 1,024 run at 0.51 and
+    # 0.63 of their 4,096^3 rate, where K / (K + 830) gives 0.46 and 0.66.
+    gemm_k0=415.0,
+    # torchao's MXFP8 grouped GEMM on a B200 at DeepSeek-V3 expert shapes (131,072 tokens in 8 groups, 7,168 ->
+    # 2,048; pytorch/ao torchao/prototype/moe_training/README.md, "MXFP8 Kernel Breakdown by Pass"): forward
+    # (K = 7,168) and data gradient (K = 2,048) 1,838.1 us each = 2,094 TFLOP/s, weight gradient (K = 16,384
+    # tokens a group) 2,412.4 us = 1,595. The shape factor runs that forward / data-gradient pair at 0.794 of the
+    # large-K rate and the weight gradient at 0.952: 2,511 expected, so 1,595 / 2,511 = 0.64.
+    wgrad_fp8=0.64,
 )
 
 #: CPU (the local machine; rates measured by ``moetrain bench``, so these are relative to measurements).
@@ -216,6 +264,7 @@ def all_constants() -> dict[str, object]:
     """Every constant, for reports and the JSON output."""
     return {
         "generations": {g: e.to_dict() for g, e in BY_GENERATION.items()},
+        "GEMM_REF_K": GEMM_REF_K,
         "ELEMENTWISE_BWD_TO_FWD": ELEMENTWISE_BWD_TO_FWD,
         "RESERVED_GIB": RESERVED_GIB,
         "RESERVED_GIB_CPU": RESERVED_GIB_CPU,

@@ -162,15 +162,17 @@ _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved
 #: H100/H800/H200 SXM (H100 whitepaper), 160 on Blackwell Ultra B300 / GB300 (NVIDIA "Inside NVIDIA Blackwell
 #: Ultra"), 148 on B200 / GB200 (the device query's figure; no NVIDIA document found: an assumption);
 #: docs/reference.md section 12.
-#: Sustained tensor rate per SKU (``tensor_sustain``): the generation's GEMM efficiencies (constants.py) come from
-#: NVL72 / SXM parts at their full power limit; an HGX B200 measures below that by more than its datasheet peak
-#: says. A large FP8 GEMM with its quantisation (te.Linear, 8,192^3) runs at 2,377 TFLOP/s on an HGX B200
-#: (TransformerEngine issue #1747, the shape that issue reports as normal), against 0.70 x 4.5 PF = 3,150 from the
-#: generation's ``gemm_fp8``: 0.755. Independently, FBGEMM's FP8 GEMMs run 2.0x H100 on B200 and 2.8x on GB200
-#: (pytorch/FBGEMM PR #4197, "mainly derived from GPU cap power limit": 750 W on their B200 against 1,200 W), a
-#: ratio of 0.71 where the datasheets give 0.90, i.e. 0.79 relative to GB200. 0.755 (the direct measurement) is
-#: used for all tensor-core work (GEMMs, grouped GEMMs, attention). No such measurement was found for HGX B300
-#: (1,100 W) or for GB300 against GB200: 1.0 there.
+#: Sustained tensor rate per SKU (``tensor_sustain``): what a GEMM sustains on this SKU relative to the part the
+#: generation's efficiencies (constants.py) describe -- GB300 on Blackwell (the calibration record ran there),
+#: H100 / H800 on Hopper. One harness measured several SKUs the same way: Microsoft's Azure AI benchmarking guide
+#: (egmsft/AI-benchmarking-guide, Azure_Results/ND_*_results.md: cuBLASLt FP8, random inputs, 10,000 warm-up
+#: iterations, so at the clock the part holds under its power limit) gives 16,384^3 at 2,819.5 TFLOP/s on
+#: GB200 and 3,308.5 on GB300, both on 5 PF datasheets: GB200 sustains 0.852 of GB300 (1.17-1.21 at every
+#: size of the table); and 1,377.3 on H100 against 1,305.0 on H200 (same 1,979 TF datasheet): H200 0.947 of
+#: H100. An HGX B200 has no row there; TransformerEngine issue #1747 measures an FP8 te.Linear (quantisation
+#: included) at 8,192^3 at 2,377 TFLOP/s on one, 0.755 of 0.70 x 4.5 PF (FBGEMM PR #4197 shows the same power-cap
+#: gap). HGX B300 has no measurement under load: 1.0 (its datasheet peak, 0.9 of GB300's, is what it gets).
+#: H800 is H100's die at the same 700 W: 1.0.
 #: Host CPUs (``host_cpu``): HGX / DGX boards have x86 hosts, GB200 / GB300 NVL72 trays Arm Grace CPUs, on which
 #: the same eager PyTorch call takes 2.75x the host time (TransformerEngine issue #2053; constants.HOST_S_PER_OP).
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
@@ -178,7 +180,9 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,
          _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)", sm=132,
          power=700),
-    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM", sm=132, power=700),
+    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9,
+         _DS + "; H200 SXM; sustained tensor rate 0.947 of H100's (Azure AI benchmarking guide, cuBLASLt FP8 "
+         "16,384^3: 1,305.0 against 1,377.3 TFLOP/s)", sm=132, power=700, sustain=0.947),
     _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0,
          _DS + "; HGX B200; sustained tensor rate 0.755 of the generation's: TransformerEngine issue #1747 (FP8 "
          "te.Linear 8,192^3 at 2,377 TFLOP/s on an HGX B200), FBGEMM PR #4197 (B200 at its power cap 0.71 of GB200 "
@@ -186,8 +190,10 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
          "vendor datasheet (HGX B300; docs/reference.md section 12): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
          "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s", sm=160, power=1100),
-    _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0, _DS + "; GB200 NVL72", sm=148,
-         power=1200, host="grace"),
+    _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0,
+         _DS + "; GB200 NVL72; sustained tensor rate 0.852 of GB300's (Azure AI benchmarking guide, cuBLASLt FP8 "
+         "16,384^3 after 10,000 warm-up iterations: 2,819.5 against 3,308.5 TFLOP/s)", sm=148, power=1200,
+         sustain=0.852, host="grace"),
     _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72", sm=160,
          power=1400, host="grace"),
 )}

@@ -330,14 +330,19 @@ class _Ctx:
         return y * 1e12 * self.eff.gemm("fp32")
 
     def gemm_time(self, flops: float, shapes: list[tuple[float, float, float, float]], peak: float,
-                  fp8: bool | None = None, grouped: bool = False) -> tuple[float, float]:
+                  fp8: bool | None = None, grouped: bool = False, tensor: bool = True) -> tuple[float, float]:
         """Time of a set of GEMMs (forward, data-gradient and weight-gradient passes) and the memory-bound time
         of their FP8 gradient casts.
 
         ``flops`` is the accounting FLOPs of the set (the compute time uses it); ``shapes`` lists the forward GEMMs
-        as (M, K, N, copies). Each pass is a roofline: it cannot be faster than streaming its operands (inputs,
-        weights, outputs, the weight-gradient accumulation) through HBM. Under FP8 every GEMM's output gradient
-        is cast to FP8 (row- and column-wise) in the backward: read 2 + write 2 bytes per element.
+        as (M, K, N, copies). ``peak`` is the rate of a large GEMM of this precision (``GEMM_REF_K``); each pass
+        runs at it times :meth:`Efficiency.shape_factor` of the pass's own contraction length -- K forward, N for
+        the data gradient, M (tokens, or rows per expert) for the weight gradient -- when it runs on tensor cores
+        (``tensor``; not the FP32 router GEMM, nor a measured machine whose curve holds its size effects), an FP8
+        weight gradient at ``wgrad_fp8`` of that. Each pass is a roofline as well: it cannot be faster than
+        streaming its inputs, weights, outputs and the weight-gradient accumulation through HBM. Under FP8 every
+        GEMM's output gradient is cast to FP8 (row- and column-wise) in the backward: read 2 + write 2 bytes per
+        element.
         """
         if flops <= 0:
             return 0.0, 0.0
@@ -345,19 +350,23 @@ class _Ctx:
         qx = 1.0 if fp8 else self.param_bytes
         w = 1.0 if fp8 else self.param_bytes
         m0, k0, n0, _ = max(shapes, key=lambda t: t[0] * t[1] * t[2] * t[3])
-        rate = self._curve_rate(m0, k0, n0) or peak
+        curve = self._curve_rate(m0, k0, n0)
+        rate = curve or peak
         if grouped:
             rate *= self.eff.grouped_gemm
+        shaped = tensor and curve is None and self.plan.precision != "fp32"  # FP32 plans run on CUDA cores
         shape_flops = sum(6 * m * k * n * c for m, k, n, c in shapes) or 1.0
         scale = flops / shape_flops
-        t = flops / rate
-        cast = 0.0
+        t, cast = 0.0, 0.0
         for m, k, n, c in shapes:
-            f_pass = 2 * m * k * n * scale / rate
-            passes = (m * k * qx + k * n * w + m * n * 2,           # forward: X, W -> Y
-                      m * n * qx + k * n * w + m * k * 2,           # data gradient: dY, W -> dX
-                      m * k * qx + m * n * qx + k * n * self.grad_bytes * 2)  # weight gradient: X, dY -> dW (+=)
-            t += c * sum(max(0.0, b / self.hbm - f_pass) for b in passes)
+            f_pass = 2 * m * k * n * scale
+            passes = ((k, 1.0, m * k * qx + k * n * w + m * n * 2),            # forward: X, W -> Y
+                      (n, 1.0, m * n * qx + k * n * w + m * k * 2),            # data gradient: dY, W -> dX
+                      (m, self.eff.wgrad_fp8 if fp8 else 1.0,                   # weight gradient: X, dY -> dW (+=)
+                       m * k * qx + m * n * qx + k * n * self.grad_bytes * 2))
+            for contraction, wgrad, bytes_ in passes:
+                r = rate * (self.eff.shape_factor(contraction, fp8) * wgrad if shaped else 1.0)
+                t += c * max(f_pass / r, bytes_ / self.hbm)
             if fp8:
                 cast += c * m * n * 4 / self.hbm
         return t, cast
@@ -507,7 +516,8 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     rc = p.recomputed
     # router: an FP32 GEMM (Megatron moe_router_dtype=fp32, DeepSeek's FP32 gating), not in the model FLOPs
     cost.params_dense += s.n_experts * h / p.tp
-    t_router, _ = c.gemm_time(6.0 * n * h * s.n_experts, [(n, h, s.n_experts, 1)], c.fp32_peak, fp8=False)
+    t_router, _ = c.gemm_time(6.0 * n * h * s.n_experts, [(n, h, s.n_experts, 1)], c.fp32_peak, fp8=False,
+                              tensor=False)
     cost.gemm_s += t_router
     _ffn_item(c, cost, s.shared_ffn, 3 * h * s.shared_ffn, fb.shared,
               recompute="shared_experts" in rc and "moe" not in rc)
@@ -520,8 +530,10 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     t, cast = c.gemm_time(f * c.imb, [(rows, h, 2 * F, c.e_loc), (rows, F, h, c.e_loc)], c.gemm_peak, grouped=True)
     cost.grouped_s += t
     cost.mem_s += cast
-    # memory-bound: norm + cast, router scores, permute (+cast), SwiGLU (+cast), unpermute, shared add, residual
-    fwd = (4 * h + 16 * s.n_experts + (2 * h + 2 * k * h) * c.imb + 6 * k * F * c.imb
+    # memory-bound: norm + cast, router scores, permute (+cast), SwiGLU (+cast; inside the GEMMs' epilogues and
+    # prologues of a fused grouped MLP), unpermute, shared add, residual
+    swiglu = 0.0 if p.fused_mlp else 6 * k * F * c.imb
+    fwd = (4 * h + 16 * s.n_experts + (2 * h + 2 * k * h) * c.imb + swiglu
            + (2 * k * h) * c.imb + 2 * h + 6 * h + 6 * h)
     cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
     # saved activations: residual, router input and scores, expert inputs, fc1 outputs (SwiGLU input), fc2 inputs
@@ -617,7 +629,7 @@ def host_launch_s(c: _Ctx, kind: str) -> float:
     if c.plan.recompute == "full" and kind in ("d", "t", "m"):
         per_fwd[kind] *= 4 / 3
     experts = 0.0
-    if kind in ("t", "m") and c.e_loc > 1:
+    if kind in ("t", "m") and c.e_loc > 1 and not c.plan.fused_mlp:
         experts = KERNELS_PER_EXPERT["fp8" if c.fp8 else "bf16"] * c.e_loc * per_launch
     return 3 * per_fwd[kind] * per_op + experts
 

@@ -124,6 +124,10 @@ class Plan:
         cuda_graphs: CUDA graph coverage, one of CUDA_GRAPHS; None = the framework's default. Decides the host
             launch cost (``moetrain.plan.model``: a layer cannot run faster than its kernels can be launched).
         mtp_depth: multi-token-prediction modules trained (None = the model's own; 0 = MTP off).
+        fused_mlp: the routed experts run as one fused grouped-MLP kernel per direction (Megatron-Bridge
+            ``cutedsl_fused_grouped_mlp``: grouped GEMM, SwiGLU and the quantisation of its output in one kernel,
+            the record recipes' setting): the SwiGLU's activations never round-trip through HBM and the experts
+            launch no per-expert kernels. False = the unfused grouped MLP (every framework's default).
         name: label for reports.
 
     The hidden share of the expert all-to-all is not a switch: ``ep_overlap`` is the recipe's request (Megatron
@@ -158,6 +162,7 @@ class Plan:
     framework: str = "megatron"
     cuda_graphs: str | None = None
     mtp_depth: int | None = None
+    fused_mlp: bool = False
     name: str = ""
 
     # ---- derived ---------------------------------------------------------------------------------------------
@@ -282,6 +287,8 @@ class Plan:
         s += f" ep-overlap({self.overlap_schedule})" if self.overlapped else ""
         s += f" {self.resolved_dispatcher}"
         s += f" graphs-{self.resolved_cuda_graphs}"
+        if self.fused_mlp:
+            s += " fused-mlp"
         if self.framework != "megatron":
             s += f" [{self.framework}]"
         if self.mtp_depth is not None:

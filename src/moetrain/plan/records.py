@@ -5,8 +5,8 @@ attention precision, pipeline layout) are taken from the public recipe of each r
 
 * Megatron-Bridge runs: ``scripts/performance/configs/deepseek/deepseek_workload_base_configs.py`` (the MXFP8
   configs of GB300 / GB200, the FP8-SC config of H100; all three set ``moe_flex_dispatcher_backend="hybridep"``,
-  the MXFP8 ones ``cuda_graph_impl="full_iteration"``, the H100 one no CUDA graphs and ``recompute_modules =
-  ["mla_up_proj", "mlp"]``) and the dry-run dump of the H100 config
+  the MXFP8 ones ``cuda_graph_impl="full_iteration"`` and ``cutedsl_fused_grouped_mlp=True`` (at the 26.06 summary
+  commit 8f341b04f), the H100 one no CUDA graphs and ``recompute_modules = ["mla_up_proj", "mlp"]``) and the dry-run dump of the H100 config
   (``grad_reduce_in_fp32: false``, bf16 moments, ``moe_router_force_load_balancing: true``, group-limited routing
   8 groups / 4 kept). GB300: no recompute, a2a overlap, FP8 dot-product attention, layout ``Et*4|(t*4|)*14tmL``.
   GB200: ``mla_up_proj`` recompute, a2a overlap, BF16 attention, the same layout (Megatron-Bridge's default
@@ -62,14 +62,14 @@ RECORDS: dict[str, Record] = {r.key: r for r in (
         plan=Plan(tp=1, pp=2, vpp=8, ep=32, micro_batch=1, global_batch=4096, seq_len=4096, precision="mxfp8",
                   attn_precision="fp8", recompute="none", ep_overlap=True, routing="balanced",
                   pp_layout="Et*4|(t*4|)*14tmL", optimizer="bf16", dispatcher="flex", cuda_graphs="full",
-                  framework="megatron", name="GB300 record"),
+                  fused_mlp=True, framework="megatron", name="GB300 record"),
         tokens_per_s_per_gpu=6338, tflops_per_gpu=1648, tolerance=0.05),
     Record(
         key="gb200", source="Megatron-Bridge 26.06", gpu="gb200", n_gpus=256,
         plan=Plan(tp=1, pp=4, vpp=4, ep=64, micro_batch=1, global_batch=4096, seq_len=4096, precision="mxfp8",
                   recompute="selective", recompute_modules=("mla_up_proj",), ep_overlap=True, routing="balanced",
                   pp_layout="Et*4|(t*4|)*14tmL", optimizer="bf16", dispatcher="flex", cuda_graphs="full",
-                  framework="megatron", name="GB200 record"),
+                  fused_mlp=True, framework="megatron", name="GB200 record"),
         tokens_per_s_per_gpu=4969, tflops_per_gpu=1292, tolerance=0.10),
     Record(
         key="h100", source="Megatron-Bridge 25.09", gpu="h100", n_gpus=1024,

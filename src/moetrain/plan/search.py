@@ -184,8 +184,8 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                 fp8_param=False)
         if rules["fsdp"] is not None:
             base = base.replace(fsdp=rules["fsdp"])
-        if base.framework != fw:  # another framework's recipe: its own dispatcher and CUDA-graph use
-            base = base.replace(framework=fw, dispatcher=None, cuda_graphs=None)
+        if base.framework != fw:  # another framework's recipe: its own dispatcher, CUDA-graph use and kernels
+            base = base.replace(framework=fw, dispatcher=None, cuda_graphs=None, fused_mlp=False)
         restriction = (f"TP {'/'.join(map(str, tps))}, CP {'/'.join(map(str, cps))}, schedules "
                        f"{', '.join(scheds)}, precision {base.precision}, EP overlap "
                        f"{'where the schedule pairs micro-batches' if allow_overlap else 'none'}"

@@ -26,7 +26,13 @@ Sources:
   Hugging Face Kimi-K2 config are 238.1: the benchmarked shape is not known).
 * ``ModelZoo``: NVIDIA's Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md``,
   "Performance Results", 256 H100, InfiniBand 8 x 50 GB/s): Megatron-Core runs with the DeepEP and the A2A
-  dispatchers, with and without 1F1B EP overlap.
+  dispatchers, with and without 1F1B EP overlap; ``best_practice/mixtral/run_mixtral_8x22B.sh`` (e8650517):
+  Mixtral-8x22B on 128 H100, BF16 and FP8 blockwise.
+* Other frameworks: ``TorchTitan`` (the PyTorch + Nebius DeepSeek-V3 run on 256 B200, launch script
+  nebius/ml-cookbook a2fb44d ``pytorch-dsv3-mxfp8/train_671b.sh``), ``AutoModel`` (NVIDIA-NeMo/Automodel 89e3a9f
+  ``docs/performance-summary.md``), ``MegatronLM`` (NVIDIA/Megatron-LM
+  ``docs/discussions/deepseek-v3-gb200-optimization/``). TorchTitan and AutoModel publish tokens/s: those points are
+  compared in tokens/s (:attr:`Point.tokens_per_s_per_gpu`).
 
 docs/validation.md holds the table with the latest predictions; ``moetrain plan --validate`` prints it.
 """
@@ -46,6 +52,11 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "intermediate_size": 12288,
         "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "tie_word_embeddings": False, "max_position_embeddings": 40960},
+    # mistralai/Mixtral-8x22B-v0.1 config.json (the ModelZoo's Mixtral-8x22B runs)
+    "mixtral-8x22b": {
+        "model_type": "mixtral", "hidden_size": 6144, "num_hidden_layers": 56, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "vocab_size": 32000, "intermediate_size": 16384, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 65536, "tie_word_embeddings": False},
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
         "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "intermediate_size": 6144,
@@ -81,37 +92,73 @@ class Point:
     #: the source row's tokens/s and TFLOP/s disagree with the Megatron FLOPs of its model (kept in the set and in
     #: the MAE; the report also gives the MAE without such rows). No row of the set is flagged at present.
     inconsistent: bool = False
+    #: the source's own figure when it publishes tokens/s (TorchTitan, NeMo AutoModel: their TFLOP/s use other
+    #: FLOPs formulas); ``tflops_per_gpu`` is then that rate times the Megatron FLOPs per token of the plan
+    #: (:func:`megatron_tflops`), so the comparison is one of tokens/s.
+    tokens_per_s_per_gpu: float | None = None
 
     @property
     def release(self) -> str:
         """Software release the figure was measured with: the NeMo container of a Megatron-Bridge table ("26.06",
-        "26.02", "25.11"), or "ModelZoo". The same configuration moves by tens of percent between releases
-        (docs/validation.md), so the report also gives the MAE per release."""
+        "26.02", "25.11"), or the source ("ModelZoo", "TorchTitan", ...). The same configuration moves by tens of
+        percent between releases (docs/validation.md), so the report also gives the MAE per release."""
         head = self.source.split()[0]
         return head[3:] if head.startswith("MB-") else head
 
 
+def megatron_tflops(model: str, plan: Plan, tokens_per_s_per_gpu: float) -> float:
+    """A published tokens/s per GPU in Megatron-Core TFLOP/s per GPU: times the Megatron FLOPs per token of
+    ``model`` at the plan's sequence length and MTP depth (``moetrain.accounting``, what ``predict`` reports)."""
+    from moetrain.plan.shape import with_mtp_depth
+
+    return tokens_per_s_per_gpu * with_mtp_depth(model_shape(model), plan.mtp_depth).flops_per_token(
+        plan.seq_len) / 1e12
+
+
 _DS = "deepseek-v3-671b"
-_Q235, _Q30 = "qwen3-235b-a22b", "qwen3-30b-a3b"
+_Q235, _Q30, _MIX = "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x22b"
+#: Megatron-Bridge's DeepSeek-V3 pipeline layouts (``set_deepseek_v3_pipeline_model_parallel_layout`` in
+#: src/megatron/bridge/recipes/deepseek/deepseek_v3.py, there since August 2025): (PP, VP) = (16, 1), (8, 2) and
+#: (4, 4) put the embedding and 4 layers first, then 4 layers a stage, then 1 layer, MTP and the loss; (8, 1)
+#: 8 layers a stage and 5 with MTP and the loss last.
 _LAYOUT = "Et*4|(t*4|)*14tmL"
+_LAYOUT_NO_MTP = "Et*4|(t*4|)*14tL"
+_LAYOUT_PP8 = "Et*8|(t*8|)*6t*5mL"
+
+#: TorchTitan's DeepSeek-V3 run on 256 B200 (nebius/ml-cookbook a2fb44d, pytorch-dsv3-mxfp8/train_671b.sh, torchtitan
+#: 1a36996b): TP2, PP2 with Interleaved1F1B (2 stages a rank), EP32, the rest FSDP (64), 64 sequences of 8,192 per
+#: data-parallel rank, micro-batch 1, full activation checkpointing, torch.compile, forced balance, no MTP.
+_TITAN_DSV3 = Plan(tp=2, pp=2, vpp=2, ep=32, micro_batch=1, global_batch=4096, seq_len=8192, precision="bf16",
+                   recompute="full", fsdp=True, framework="torchtitan", cuda_graphs="none", mtp_depth=0,
+                   optimizer="fp32", name="DSv3 B200 TorchTitan")
+#: NeMo AutoModel's DeepSeek-V3 row (NVIDIA-NeMo/Automodel 89e3a9f, docs/performance-summary.md and
+#: examples/benchmark/configs/deepseek_v3_te_deepep.yaml): PyTorch-native FSDP2 with TE layers and DeepEP, eager,
+#: PP4 interleaved (2 layers a stage: VP8), EP64, FSDP64, micro-batch 1, 512 sequences, full checkpointing.
+_AUTOMODEL_DSV3 = Plan(pp=4, vpp=8, ep=64, micro_batch=1, global_batch=512, precision="bf16", recompute="full",
+                       fsdp=True, dispatcher="flex", framework="torchtitan", cuda_graphs="none", mtp_depth=0,
+                       optimizer="fp32", name="DSv3 H100 AutoModel")
+#: Megatron-MoE-ModelZoo best_practice/mixtral/run_mixtral_8x22B.sh (yanring/Megatron-MoE-ModelZoo e8650517): 128
+#: H100, TP2/PP8/VPP7/EP8, micro-batch 1, 256 sequences of 4,096, NCCL alltoall, no recompute, no CUDA graphs.
+_MIXTRAL = Plan(tp=2, pp=8, vpp=7, ep=8, micro_batch=1, global_batch=256, precision="bf16", dispatcher="alltoall",
+                ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Mixtral-8x22B H100")
 
 POINTS: tuple[Point, ...] = (
     # ---- DeepSeek-V3 on other GPUs / recipes / batch sizes ------------------------------------------------------
     Point("dsv3-b200-gbs4096", "MB-26.02 DGX-B200", _DS, "b200", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               optimizer="bf16", name="DSv3 B200"),
+               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B200"),
           699, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V2: hybridep, no a2a overlap, no CUDA graphs, mla_up_proj",
           ("HGX B200 (8-GPU NVLink domain)", "PP16 x EP8")),
     Point("dsv3-b200-gbs2048", "MB-25.11 DGX-B200", _DS, "b200", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=2048, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               optimizer="bf16", name="DSv3 B200 GBS2048"),
+               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B200 GBS2048"),
           557, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V1 (GBS 2048)", ("batch size",)),
     Point("dsv3-b300", "MB-26.02 DGX-B300", _DS, "b300", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               optimizer="bf16", name="DSv3 B300"),
+               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B300"),
           776, "the table's PP16/EP8 is not the B300 recipe now in the repository (PP8/VP2); the B200 recipe's "
                "settings of that layout are assumed", ("HGX B300",)),
     Point("dsv3-gb300-mbs2", "MB-26.02 DGX-GB300", _DS, "gb300", 256,
@@ -130,7 +177,7 @@ POINTS: tuple[Point, ...] = (
     Point("dsv3-gb200-bf16", "MB-25.11 DGX-GB200", _DS, "gb200", 256,
           Plan(pp=4, vpp=4, ep=64, micro_batch=1, global_batch=4096, precision="bf16", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
-               mtp_depth=0, optimizer="bf16", name="DSv3 GB200 BF16"),
+               pp_layout=_LAYOUT_NO_MTP, mtp_depth=0, optimizer="bf16", name="DSv3 GB200 BF16"),
           782, "DeepSeekV3 (w/o MTP); recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_BF16_V1", ("BF16", "no MTP")),
     Point("dsv3-gb300-bf16", "MB-25.11 DGX-GB300", _DS, "gb300", 256,
           Plan(pp=2, vpp=4, ep=32, micro_batch=1, global_batch=4096, precision="bf16", recompute="selective",
@@ -192,28 +239,28 @@ POINTS: tuple[Point, ...] = (
     Point("dsv3-gb300-gbs15360", "MB-26.06 DGX-GB300", _DS, "gb300", 256,
           Plan(pp=2, vpp=8, ep=32, micro_batch=1, global_batch=15360, precision="mxfp8", attn_precision="fp8",
                recompute="none", ep_overlap=True, pp_layout=_LAYOUT, optimizer="bf16", dispatcher="flex",
-               cuda_graphs="full", name="DSv3 GB300 GBS15360"),
+               cuda_graphs="full", fused_mlp=True, name="DSv3 GB300 GBS15360"),
           1670, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX (the record's) at GBS 15,360", ("batch size",)),
     Point("dsv3-b300-2606", "MB-26.06 DGX-B300", _DS, "b300", 256,
           Plan(pp=8, ep=8, micro_batch=2, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
-               optimizer="bf16", name="DSv3 B300 26.06"),
+               pp_layout=_LAYOUT_PP8, optimizer="bf16", name="DSv3 B300 26.06"),
           920, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2: MBS 2, PP8, EP8, hybridep, no a2a overlap, TE graphs of "
-               "attn / moe_router / moe_preprocess, mla_up_proj; stage split not published (balanced)",
+               "attn / moe_router / moe_preprocess, mla_up_proj; the recipes' DeepSeek-V3 layout for PP8",
           ("HGX B300", "PP8 x EP8", "MBS 2")),
     Point("qwen3-30b-gb300-2606", "MB-26.06 DGX-GB300", _Q30, "gb300", 8,
           Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B GB300 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B GB300 26.06"),
           1041, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB300_FP8_MX_V1: MBS 8, hybridep, a2a overlap, full-iteration "
                 "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
     Point("qwen3-30b-gb200-2606", "MB-26.06 DGX-GB200", _Q30, "gb200", 8,
           Plan(ep=8, micro_batch=4, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B GB200 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B GB200 26.06"),
           936, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1: MBS 4, hybridep, a2a overlap, full-iteration "
                "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
     Point("qwen3-30b-b300-2606", "MB-26.06 DGX-B300", _Q30, "b300", 8,
           Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", optimizer="bf16", name="Qwen3-30B B300 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B B300 26.06"),
           938, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_B300_FP8_MX_V1: as GB300 (MBS 8), on one HGX B300 node",
           ("HGX B300", "small model")),
     Point("qwen3-30b-h100-2606", "MB-26.06 DGX-H100", _Q30, "h100", 16,
@@ -223,16 +270,44 @@ POINTS: tuple[Point, ...] = (
                "no CUDA graphs", ("small model", "EP over InfiniBand")),
     Point("qwen3-235b-gb300-2606", "MB-26.06 DGX-GB300", _Q235, "gb300", 256,
           Plan(pp=4, vpp=12, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", attn_precision="fp8",
-               dispatcher="flex", ep_overlap=True, cuda_graphs="full", optimizer="bf16",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16",
                name="Qwen3-235B GB300 26.06"),
           1335, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2: PP4/VP12, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
     Point("qwen3-235b-gb200-2606", "MB-26.06 DGX-GB200", _Q235, "gb200", 256,
           Plan(pp=8, vpp=3, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", attn_precision="fp8",
-               dispatcher="flex", ep_overlap=True, cuda_graphs="full", optimizer="bf16",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16",
                name="Qwen3-235B GB200 26.06"),
           1092, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: PP8/VP3, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
+    # ---- other frameworks and other published guides -----------------------------------------------------------
+    Point("dsv3-b200-torchtitan-a2a", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
+          _TITAN_DSV3.replace(dispatcher="alltoall"),
+          megatron_tflops(_DS, _TITAN_DSV3, 651),
+          "651 tokens/s/GPU with PyTorch's NCCL all_to_all (the blog \"Enabling up to 41% faster pre-training: MXFP8 "
+          "and DeepEP for DeepSeek-V3 on B200 with TorchTitan\")",
+          ("TorchTitan", "FSDP + TP + PP", "full recompute", "8K sequences"), tokens_per_s_per_gpu=651),
+    Point("dsv3-b200-torchtitan-deepep", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
+          _TITAN_DSV3.replace(dispatcher="flex"),
+          megatron_tflops(_DS, _TITAN_DSV3, 859), "859 tokens/s/GPU with DeepEP (same run and blog)",
+          ("TorchTitan", "DeepEP"), tokens_per_s_per_gpu=859),
+    Point("dsv3-h100-automodel", "AutoModel performance summary", _DS, "h100", 256, _AUTOMODEL_DSV3,
+          megatron_tflops(_DS, _AUTOMODEL_DSV3, 1002), "1,002 tokens/s/GPU (250 TFLOP/s by AutoModel's formula); "
+          "an eager PyTorch-native FSDP2 stack, costed as framework torchtitan (no CUDA graphs, no EP overlap)",
+          ("NeMo AutoModel", "FSDP", "full recompute"), tokens_per_s_per_gpu=1002),
+    Point("dsv3-gb200-mlm-guide", "MegatronLM GB200 guide", _DS, "gb200", 256,
+          Plan(pp=8, vpp=4, ep=32, micro_batch=1, global_batch=2048, precision="mxfp8", recompute="selective",
+               recompute_modules=("moe_act", "mlp"), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
+               pp_layout="Et|(tt|)*30L", mtp_depth=0, fp8_param=True, optimizer="bf16-moments",
+               name="DSv3 GB200 Megatron-LM guide"),
+          970, "NVIDIA/Megatron-LM docs/discussions/deepseek-v3-gb200-optimization (launch command in its reproduce "
+               "guide): HybridEP, TE graphs of attn / moe_router / moe_preprocess, recompute moe_act + mlp, "
+               "fp8-param-gather, no MTP", ("Megatron-LM guide", "PP8/VPP4")),
+    Point("mixtral-8x22b-h100-bf16", "ModelZoo Mixtral H100", _MIX, "h100", 128, _MIXTRAL, 465,
+          "forced balance (445 dropless); BF16", ("Mixtral", "top-2 of 8 experts", "GQA")),
+    Point("mixtral-8x22b-h100-fp8", "ModelZoo Mixtral H100", _MIX, "h100", 128,
+          _MIXTRAL.replace(precision="fp8", name="Mixtral-8x22B H100 FP8"), 560,
+          "forced balance; FP8 blockwise (DeepSeek 1x128 / 128x128)", ("Mixtral", "FP8 blockwise")),
 )
 
 
