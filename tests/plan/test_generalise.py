@@ -124,11 +124,10 @@ def test_sustained_tensor_rate_per_sku():
     # figure
     from moetrain.plan.hardware import CATALOGUE, with_overrides
 
-    b200, gb200, h200 = get_gpu("b200"), get_gpu("gb200"), get_gpu("h200")
+    b200, gb200 = get_gpu("b200"), get_gpu("gb200")
     assert b200.tensor_sustain < 1.0 and "#1747" in b200.source
-    assert gb200.tensor_sustain == pytest.approx(2819.5 / 3308.5, abs=1e-3) and "Azure" in gb200.source
-    assert h200.tensor_sustain == pytest.approx(1305.0 / 1377.3, abs=1e-3) and "Azure" in h200.source
-    assert all(g.tensor_sustain == 1.0 for k, g in CATALOGUE.items() if k not in ("b200", "gb200", "h200"))
+    assert gb200.tensor_sustain == pytest.approx(2906.9 / 3308.5, abs=1e-3) and "Azure" in gb200.source
+    assert all(g.tensor_sustain == 1.0 for k, g in CATALOGUE.items() if k not in ("b200", "gb200"))
     p = next(pt.plan for pt in validation.POINTS if pt.key == "dsv3-b200-gbs4096")
     slow = predict(DS, b200, 256, p)
     full = predict(DS, with_overrides(b200, tensor_sustain=1.0), 256, p)
@@ -147,7 +146,11 @@ def test_gemm_shape_factor_against_its_sources():
 
     for eff in (HOPPER, BLACKWELL):
         assert eff.shape_factor(GEMM_REF_K, True) == 1.0 and eff.shape_factor(GEMM_REF_K, False) == 1.0
-        assert eff.tile_k0(True) == 2 * eff.tile_k0(False) > 0
+        # the same time per output tile: FP8's K0 is larger by its rate over BF16's, so FP8 is never the slower
+        assert eff.tile_k0(True) == pytest.approx(2 * eff.gemm_fp8 / eff.gemm_bf16 * eff.tile_k0(False))
+        for k in (16, 64, 512, 2048):
+            assert 2 * eff.gemm_fp8 * eff.shape_factor(k, True) > eff.gemm_bf16 * eff.shape_factor(k, False)
+    assert HOPPER.tile_k0(True) == pytest.approx(500)
     # hand-computed: Hopper FP8 K0 = 500
     assert HOPPER.shape_factor(512, True) == pytest.approx((512 / 1012) / (8192 / 8692))
     # DeepGEMM's H800 FP8 table (README at 327ec92, M = 4,096; the rows K0 was fitted on): one scale times the
@@ -222,6 +225,18 @@ def test_fused_grouped_mlp_is_a_recipe_input(capsys):
     assert json.loads(capsys.readouterr().out)["plan"]["fused_mlp"] is False
     assert plan_main(["--record", "gb200", "--no-fused-mlp", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["fused_mlp"] is False
+    # refused where the kernel does not exist: another framework, or a GPU that is not Blackwell
+    assert plan_main(["--record", "gb300", "--framework", "moetrain", "--fused-mlp"]) == 2
+    assert "fused_mlp" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="Blackwell"):
+        predict(DS, "h100", 1024, RECORDS["h100"].plan.replace(fused_mlp=True))
+
+
+def test_record_override_with_the_records_own_value_changes_nothing(capsys):
+    want = predict(DS, "gb300", 256, RECORDS["gb300"].plan).tflops_per_gpu
+    assert plan_main(["--record", "gb300", "--pp", "2", "--fused-mlp", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tflops_per_gpu"] == pytest.approx(want) and got["plan"]["pp_layout"] == RECORDS["gb300"].plan.pp_layout
 
 
 def test_megatron_recompute_names_and_mtp_depth():

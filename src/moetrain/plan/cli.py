@@ -162,10 +162,12 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
         if getattr(args, f, None) is not None:
             changes[f] = getattr(args, f)
     if rec and changes:
-        # a record's DP and layout belong to its own sizes: re-derive them when the sizes change
-        if any(k in changes for k in ("tp", "pp", "cp")) and "dp" not in changes:
+        # a record's DP and layout belong to its own sizes: re-derive them when the sizes change (a flag that
+        # repeats the record's own value changes nothing)
+        moved = {k for k, v in changes.items() if getattr(rec.plan, k) != v}
+        if moved & {"tp", "pp", "cp"} and "dp" not in changes:
             changes["dp"] = None
-        if any(k in changes for k in ("pp", "vpp", "schedule")) and "pp_layout" not in changes:
+        if moved & {"pp", "vpp", "schedule"} and "pp_layout" not in changes:
             changes["pp_layout"] = None
         if changes.get("framework", rec.plan.framework) != rec.plan.framework:
             # another framework's recipe: its dispatcher and CUDA-graph defaults, unless given
@@ -307,6 +309,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             {"key": r.point.key, "source": r.point.source, "model": r.point.model, "gpu": r.point.gpu,
              "n_gpus": r.point.n_gpus, "plan": r.point.plan.short(), "published_tflops_per_gpu": r.point.tflops_per_gpu,
              "predicted_tflops_per_gpu": r.predicted, "error": r.error, "note": r.point.note,
+             "published_tokens_per_s_per_gpu": r.point.tokens_per_s_per_gpu,
+             "predicted_tokens_per_s_per_gpu": r.prediction.tokens_per_s_per_gpu if r.prediction else None,
              "message": r.message} for r in rows]}, args)
     if not args.json:
         report._console().print(report.validation_table(rows, summ))
@@ -319,6 +323,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")
+    if args.png:
+        fit = [r for r in rows if r.prediction is not None and r.prediction.fits]
+        report.plot_breakdown([r.prediction for r in fit], args.png, labels=[r.point.key for r in fit],
+                              published=[r.point.tflops_per_gpu for r in fit])
+        if not args.json:
+            print(f"chart: {args.png}")
     return 0
 
 
@@ -354,6 +364,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         c.print(f"B: {lb}: {b.plan.short()}")
         c.print(report.compare_table(a, b, "A", "B"))
         c.print(report.compare_summary(a, b, "A", "B"))
+    if args.png:
+        report.plot_breakdown([a, b], args.png, labels=[la, lb])
+        if not args.json:
+            print(f"chart: {args.png}")
     return 0
 
 

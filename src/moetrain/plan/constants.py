@@ -34,8 +34,9 @@ class Efficiency:
         gemm_k0: the fixed cost of one output tile of a tensor-core GEMM (prologue, pipeline fill, epilogue),
             expressed as the contraction length K whose main loop takes as long, for BF16. A GEMM pass of
             contraction K runs at ``K / (K + K0)`` of its large-K rate; the GEMM efficiencies above are quoted
-            at ``GEMM_REF_K``. The fixed cost is a time, so an FP8 main loop, which consumes K twice as fast,
-            has ``K0 = 2 gemm_k0``.
+            at ``GEMM_REF_K``. The fixed cost is a time, so an FP8 main loop, which consumes K faster by the
+            generation's FP8 / BF16 rate ratio (2 gemm_fp8 / gemm_bf16: both datasheets double the peak), has
+            its K0 larger by that ratio (:meth:`tile_k0`); an FP8 pass is then never slower than a BF16 one.
         wgrad_fp8: rate of an FP8 weight-gradient GEMM (contraction over tokens, FP32 accumulation into the
             gradient) relative to a forward GEMM of the same contraction length.
     """
@@ -58,8 +59,9 @@ class Efficiency:
         return self.gemm_bf16 if precision in ("bf16", "fp32") else self.gemm_fp8
 
     def tile_k0(self, fp8: bool) -> float:
-        """K0 of :attr:`gemm_k0` for a BF16 (``fp8`` False) or FP8 tensor-core GEMM."""
-        return self.gemm_k0 * (2.0 if fp8 else 1.0)
+        """K0 of :attr:`gemm_k0` for a BF16 (``fp8`` False) or FP8 tensor-core GEMM: the same time per tile,
+        times the FP8 main loop's speed-up ``2 gemm_fp8 / gemm_bf16``."""
+        return self.gemm_k0 * (2.0 * self.gemm_fp8 / self.gemm_bf16 if fp8 else 1.0)
 
     def shape_factor(self, k: float, fp8: bool) -> float:
         """Rate of a tensor-core GEMM pass with contraction length ``k`` relative to the same GEMM at
@@ -112,8 +114,8 @@ HOPPER = Efficiency(
     # DeepGEMM's H800 FP8 table (README at 327ec92, M = 4096): K = 512 / 1,536 / 2,048 / 7,168 / 16,384 run at
     # 775 / 1,212 / 1,168 / 1,410 / 1,520 TFLOP/s; R K / (K + K0) fits them with K0 = 500 (least squares in log,
     # rms 3.4%; the N = 2,112 row, a wave-quantised grid of 3.4 waves on 132 SMs, left out). That is FP8; the
-    # BF16 K0 is half (the fixed cost is a time per tile).
-    gemm_k0=250.0,
+    # BF16 K0 is 500 / (2 x 0.60 / 0.75) = 312 (the fixed cost is a time per tile, see tile_k0).
+    gemm_k0=312.5,
     # DeepGEMM PR #95 (H800): FP8 weight-gradient GEMMs at 4,096 tokens run at 878-994 TFLOP/s for the weights
     # whose forward GEMMs the README table gives; against the forward rate at the same contraction length (the
     # shape factor above) that is 0.64-0.86, median 0.70.
@@ -131,9 +133,9 @@ BLACKWELL = Efficiency(
     # NVIDIA measured its MXFP8 grouped GEMM (multi-stream cuBLAS) for DeepSeek-V3's expert shapes (K = 7,168,
     # N = 2,048) at 2,672 TFLOP/s on GB200 with L2 flushed ("Optimizing DeepSeek-V3 Training Performance on GB200
     # NVL72", Megatron-LM docs). The dense rate the model gives that GB200 GEMM is 5 PF x gemm_fp8 (0.70) x
-    # GB200's tensor_sustain (0.852, hardware.CATALOGUE) x shape_factor(7,168, FP8) (0.987) = 2,943: grouped is
-    # 2,672 / 2,943 = 0.91 of dense, as DeepGEMM's grouped kernels are of its dense ones on Hopper.
-    grouped_gemm=0.91,
+    # GB200's tensor_sustain (0.879, hardware.CATALOGUE) x shape_factor(7,168, FP8) (0.988) = 3,039: grouped is
+    # 2,672 / 3,039 = 0.88 of dense (DeepGEMM's grouped kernels are 0.9 of its dense ones on Hopper).
+    grouped_gemm=0.88,
     # cuDNN / FlashAttention-4 on B200: forward ~1.6 of 2.25 PFLOP/s BF16 (0.7), backward ~0.45 -> 0.50 overall.
     attention=0.50,
     sfu=0.80,
@@ -145,9 +147,9 @@ BLACKWELL = Efficiency(
     a2a_latency_s=30e-6,
     comm_sm_share=0.20,  # HybridEP / DeepEP SM budget of ~24-32 of 148 SMs
     # cuBLAS BF16 on a B200, M = N = 8,192 (pytorch-labs/tritonbench PR #1011): K = 1,024 / 2,048 / 4,096 / 8,192
-    # at 714 / 839 / 915 / 959 TFLOP/s; each K against 8,192 gives K0 = 421 / 409 / 415. FP8 twice that (830):
-    # the MXFP8 GEMMs of facebookexperimental/triton PR #2803 (B200) at K = 512 and K ~ 1,024 run at 0.51 and
-    # 0.63 of their 4,096^3 rate, where K / (K + 830) gives 0.46 and 0.66.
+    # at 714 / 839 / 915 / 959 TFLOP/s; each K against 8,192 gives K0 = 421 / 409 / 415. FP8: 415 x 2 x 0.70 /
+    # 0.75 = 775 (tile_k0); the MXFP8 GEMMs of facebookexperimental/triton PR #2803 (B200) at K = 512 and
+    # K ~ 1,024 run at 0.51 and 0.63 of their 4,096^3 rate, where the shape factor gives 0.47 and 0.68.
     gemm_k0=415.0,
     # torchao's MXFP8 grouped GEMM on a B200 at DeepSeek-V3 expert shapes (131,072 tokens in 8 groups, 7,168 ->
     # 2,048; pytorch/ao torchao/prototype/moe_training/README.md, "MXFP8 Kernel Breakdown by Pass"): forward

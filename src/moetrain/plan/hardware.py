@@ -97,6 +97,12 @@ class GPUSpec:
     def __post_init__(self) -> None:
         if self.generation not in GENERATIONS:
             raise HardwareError(f"GPU {self.name!r}: generation={self.generation!r}; allowed: {list(GENERATIONS)}")
+        numeric = ("hbm_gb", "hbm_tbps", "nvlink_gbps", "nic_gbps", "sfu_texp", "tensor_sustain", "a2a_latency_us",
+                   "op_overhead_us", "fsdp_unit_latency_us", "fsdp_unit_gbps", "softmax_gelem_s", "power_w")
+        for f in numeric:
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise HardwareError(f"GPU {self.name!r}: {f}={v!r} must be a number")
         bad = sorted(set(self.peak_tflops) - set(PRECISIONS))
         if bad:
             raise HardwareError(f"GPU {self.name!r}: unknown precision key(s) {bad} in peak_tflops; allowed: "
@@ -164,15 +170,17 @@ _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved
 #: docs/reference.md section 12.
 #: Sustained tensor rate per SKU (``tensor_sustain``): what a GEMM sustains on this SKU relative to the part the
 #: generation's efficiencies (constants.py) describe -- GB300 on Blackwell (the calibration record ran there),
-#: H100 / H800 on Hopper. One harness measured several SKUs the same way: Microsoft's Azure AI benchmarking guide
-#: (egmsft/AI-benchmarking-guide, Azure_Results/ND_*_results.md: cuBLASLt FP8, random inputs, 10,000 warm-up
-#: iterations, so at the clock the part holds under its power limit) gives 16,384^3 at 2,819.5 TFLOP/s on
-#: GB200 and 3,308.5 on GB300, both on 5 PF datasheets: GB200 sustains 0.852 of GB300 (1.17-1.21 at every
-#: size of the table); and 1,377.3 on H100 against 1,305.0 on H200 (same 1,979 TF datasheet): H200 0.947 of
-#: H100. An HGX B200 has no row there; TransformerEngine issue #1747 measures an FP8 te.Linear (quantisation
-#: included) at 8,192^3 at 2,377 TFLOP/s on one, 0.755 of 0.70 x 4.5 PF (FBGEMM PR #4197 shows the same power-cap
-#: gap). HGX B300 has no measurement under load: 1.0 (its datasheet peak, 0.9 of GB300's, is what it gets).
-#: H800 is H100's die at the same 700 W: 1.0.
+#: H100 / H800 on Hopper. Microsoft's Azure AI benchmarking guide measures SKUs with one harness (cuBLASLt FP8,
+#: random inputs, 10,000 warm-up iterations, so at the clock the part holds under its power limit):
+#: Azure/AI-benchmarking-guide 2a370be, Azure_Results/ND_GB200_v6_results.md (CUDA 12.8), gives 16,384^3 at
+#: 2,906.9 TFLOP/s on GB200, and egmsft/AI-benchmarking-guide 18e80a2, ND_GB300_v6_results.md (CUDA 13.0), 3,308.5
+#: on GB300, both on 5 PF datasheets: GB200 sustains 0.879 of GB300 (0.86-0.88 at 4,096^3-32,768^3; that fork's
+#: own GB200 re-run, 2,819.5, would give 0.852; part of the gap may be the CUDA version). H100 and H200 in the
+#: same file set, both on CUDA 12.6: 1,377.3 and 1,366.3 -- the same within 1%, so H200 keeps 1.0. An HGX B200
+#: has no row there; TransformerEngine issue #1747 measures an FP8 te.Linear (quantisation included) at 8,192^3
+#: at 2,377 TFLOP/s on one, 0.755 of 0.70 x 4.5 PF (FBGEMM PR #4197 shows the same power-cap gap). HGX B300 has no
+#: measurement under load: 1.0 (its datasheet peak, 0.9 of GB300's, is what it gets). H800 is H100's die at the
+#: same 700 W: 1.0.
 #: Host CPUs (``host_cpu``): HGX / DGX boards have x86 hosts, GB200 / GB300 NVL72 trays Arm Grace CPUs, on which
 #: the same eager PyTorch call takes 2.75x the host time (TransformerEngine issue #2053; constants.HOST_S_PER_OP).
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
@@ -180,9 +188,7 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
     _gpu("h800", "hopper", 989, 1979, None, 67, 80, 3.35, 400, 8, 400, 3.9,
          _DS + "; H800 SXM: NVLink 400 GB/s bidirectional (~160 GB/s per direction measured by DeepEP)", sm=132,
          power=700),
-    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9,
-         _DS + "; H200 SXM; sustained tensor rate 0.947 of H100's (Azure AI benchmarking guide, cuBLASLt FP8 "
-         "16,384^3: 1,305.0 against 1,377.3 TFLOP/s)", sm=132, power=700, sustain=0.947),
+    _gpu("h200", "hopper", 989, 1979, None, 67, 141, 4.8, 900, 8, 400, 3.9, _DS + "; H200 SXM", sm=132, power=700),
     _gpu("b200", "blackwell", 2250, 4500, 9000, 75, 180, 8.0, 1800, 8, 400, 5.0,
          _DS + "; HGX B200; sustained tensor rate 0.755 of the generation's: TransformerEngine issue #1747 (FP8 "
          "te.Linear 8,192^3 at 2,377 TFLOP/s on an HGX B200), FBGEMM PR #4197 (B200 at its power cap 0.71 of GB200 "
@@ -191,9 +197,9 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
          "vendor datasheet (HGX B300; docs/reference.md section 12): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
          "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s", sm=160, power=1100),
     _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0,
-         _DS + "; GB200 NVL72; sustained tensor rate 0.852 of GB300's (Azure AI benchmarking guide, cuBLASLt FP8 "
-         "16,384^3 after 10,000 warm-up iterations: 2,819.5 against 3,308.5 TFLOP/s)", sm=148, power=1200,
-         sustain=0.852, host="grace"),
+         _DS + "; GB200 NVL72; sustained tensor rate 0.879 of GB300's (Azure AI benchmarking guide, cuBLASLt FP8 "
+         "16,384^3 after 10,000 warm-up iterations: 2,906.9 against 3,308.5 TFLOP/s)", sm=148, power=1200,
+         sustain=0.879, host="grace"),
     _gpu("gb300", "blackwell", 2500, 5000, 15000, 80, 288, 8.0, 1800, 72, 800, 10.7, _DS + "; GB300 NVL72", sm=160,
          power=1400, host="grace"),
 )}
@@ -288,6 +294,8 @@ def gpu_from_dict(d: dict[str, Any], name: str | None = None) -> GPUSpec:
     try:
         d["nvlink_domain"] = int(d["nvlink_domain"])
         return GPUSpec(name=str(nm).lower(), **d)
+    except HardwareError:
+        raise  # already names the GPU
     except (TypeError, ValueError) as e:
         raise HardwareError(f"GPU entry {nm!r}: {e}") from None
 

@@ -1142,8 +1142,11 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
             sub["host launch"] += ck.host_s
     tot = sum(sub.values()) or 1.0
     compute = m * parts["compute"]
+    # t_max is the slowest device's sum of the same parts: their difference is round-off when PP = 1
+    idle = t_max - sum(parts.values())
+    idle = 0.0 if abs(idle) <= 1e-12 * t_max else idle
     step = StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
-                         other_comm=m * parts["comm"] + dp_exposed, bubble=bubble + m * (t_max - sum(parts.values())),
+                         other_comm=m * parts["comm"] + dp_exposed, bubble=bubble + m * idle,
                          optimizer=t_opt, compute_parts={k: compute * v / tot for k, v in sub.items()})
     fpt = shape.flops_per_token(plan.seq_len)
     limit = spec.hbm_gb

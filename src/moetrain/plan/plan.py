@@ -290,7 +290,11 @@ class Plan:
         if self.fused_mlp:
             s += " fused-mlp"
         if self.framework != "megatron":
-            s += f" [{self.framework}]"
+            s += f" framework-{self.framework}"
+        if self.fsdp:
+            s += " fsdp"
+        if self.fp8_param:
+            s += " fp8-param"
         if self.mtp_depth is not None:
             s += f" mtp{self.mtp_depth}"
         s += f" routing-{self.routing}"
@@ -480,6 +484,10 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
         raise PlanError(f"framework={plan.framework!r}; allowed: {list(FRAMEWORKS)}")
     if plan.cuda_graphs is not None and plan.cuda_graphs not in CUDA_GRAPHS:
         raise PlanError(f"cuda_graphs={plan.cuda_graphs!r}; allowed: {list(CUDA_GRAPHS)}")
+    if plan.fused_mlp and (plan.framework != "megatron" or gpu.generation != "blackwell"):
+        raise PlanError(f"fused_mlp: the fused grouped-MLP kernel (Megatron-Bridge cutedsl_fused_grouped_mlp) is a "
+                        f"Megatron kernel for Blackwell GPUs; this plan is framework {plan.framework!r} on "
+                        f"{gpu.name} ({gpu.generation}); drop --fused-mlp")
     if plan.mtp_depth is not None:
         if not isinstance(plan.mtp_depth, int) or isinstance(plan.mtp_depth, bool) or plan.mtp_depth < 0:
             raise PlanError(f"mtp_depth={plan.mtp_depth!r} must be an integer >= 0")

@@ -172,14 +172,20 @@ def validation_table(rows: Sequence[Any], summary: dict[str, Any]):
         pt = r.point
         pl = pt.plan
         desc = (f"TP{pl.tp}/PP{pl.pp}/VPP{pl.vpp}/EP{pl.ep} mbs{pl.micro_batch} gbs{pl.global_batch} {pl.precision} "
-                f"{pl.resolved_dispatcher}{' ovl' if pl.ep_overlap else ''} graphs-{pl.resolved_cuda_graphs}")
+                f"{pl.resolved_dispatcher}{' ovl' if pl.ep_overlap else ''} graphs-{pl.resolved_cuda_graphs}"
+                f"{' fused-mlp' if pl.fused_mlp else ''}"
+                f"{' framework-' + pl.framework if pl.framework != 'megatron' else ''}")
+        # a source that publishes tokens/s is compared in tokens/s (its TFLOP/s is derived, Megatron's formula)
+        tok = pt.tokens_per_s_per_gpu
+        published = f"{pt.tflops_per_gpu:,.0f}" + (f" ({tok:,.0f} tok/s)" if tok else "")
         if r.error is None:
-            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, f"{pt.tflops_per_gpu:,.0f}",
+            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, published,
                       "does not fit" if r.prediction is not None else "invalid", "")
         else:
             col = "green" if abs(r.error) <= 0.12 else "yellow" if abs(r.error) <= 0.25 else "red"
-            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, f"{pt.tflops_per_gpu:,.0f}",
-                      f"{r.predicted:,.0f}", f"[{col}]{r.error:+.1%}[/]")
+            pred = f"{r.predicted:,.0f}" + (f" ({r.prediction.tokens_per_s_per_gpu:,.0f} tok/s)" if tok else "")
+            t.add_row(pt.key, pt.source, f"{pt.n_gpus} {pt.gpu.upper()}", desc, published, pred,
+                      f"[{col}]{r.error:+.1%}[/]")
     return t
 
 
