@@ -394,7 +394,7 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
         shapes = [(T, h, (s.q_width + 2 * s.n_kv_heads * s.qk_head_dim) / tp, 1), (T, s.o_width / tp, h, 1)]
     t, cast = c.gemm_time(flops_proj, shapes, c.gemm_peak)
     cost.gemm_s += t
-    cost.attn_wgrad_s += t / 3  # forward, data gradient, weight gradient: a third each
+    cost.attn_wgrad_s += t / 3  # forward, data gradient, weight gradient: about a third each
     cost.mem_s += cast
     # attention core: MMAs at the attention peak, softmax exponentials at the SFU rate (forward + recompute in bwd)
     n_exp = T * (s.n_heads / tp) * p.seq_len
