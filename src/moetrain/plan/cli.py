@@ -169,11 +169,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
             changes["dp"] = None
         if moved & {"pp", "vpp", "schedule"} and "pp_layout" not in changes:
             changes["pp_layout"] = None
-        if changes.get("framework", rec.plan.framework) != rec.plan.framework:
-            # another framework's recipe: its dispatcher and CUDA-graph defaults, unless given
-            changes.setdefault("dispatcher", None)
-            changes.setdefault("cuda_graphs", None)
-            changes.setdefault("fused_mlp", False)
+        # another framework's recipe takes that framework's defaults, under the flags given
+        plan = plan.for_framework(changes.get("framework", plan.framework))
     if rec and args.gpus and args.gpus != rec.n_gpus and "dp" not in changes:
         changes["dp"] = None
     if changes:

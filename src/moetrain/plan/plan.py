@@ -265,6 +265,13 @@ class Plan:
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)
 
+    def for_framework(self, framework: str) -> "Plan":
+        """This plan as another framework's recipe: that framework's dispatcher and CUDA-graph defaults, and none
+        of this recipe's kernels (the fused grouped MLP). The same plan when ``framework`` is its own."""
+        if framework == self.framework:
+            return self
+        return self.replace(framework=framework, dispatcher=None, cuda_graphs=None, fused_mlp=False)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schedule"] = self.resolved_schedule

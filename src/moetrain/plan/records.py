@@ -6,7 +6,8 @@ attention precision, pipeline layout) are taken from the public recipe of each r
 * Megatron-Bridge runs: ``scripts/performance/configs/deepseek/deepseek_workload_base_configs.py`` (the MXFP8
   configs of GB300 / GB200, the FP8-SC config of H100; all three set ``moe_flex_dispatcher_backend="hybridep"``,
   the MXFP8 ones ``cuda_graph_impl="full_iteration"`` and ``cutedsl_fused_grouped_mlp=True`` (at the 26.06 summary
-  commit 8f341b04f), the H100 one no CUDA graphs and ``recompute_modules = ["mla_up_proj", "mlp"]``) and the dry-run dump of the H100 config
+  commit 8f341b04f), the H100 one no CUDA graphs and ``recompute_modules = ["mla_up_proj", "mlp"]``) and the
+  dry-run dump of the H100 config
   (``grad_reduce_in_fp32: false``, bf16 moments, ``moe_router_force_load_balancing: true``, group-limited routing
   8 groups / 4 kept). GB300: no recompute, a2a overlap, FP8 dot-product attention, layout ``Et*4|(t*4|)*14tmL``.
   GB200: ``mla_up_proj`` recompute, a2a overlap, BF16 attention, the same layout (Megatron-Bridge's default

@@ -184,8 +184,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                 fp8_param=False)
         if rules["fsdp"] is not None:
             base = base.replace(fsdp=rules["fsdp"])
-        if base.framework != fw:  # another framework's recipe: its own dispatcher, CUDA-graph use and kernels
-            base = base.replace(framework=fw, dispatcher=None, cuda_graphs=None, fused_mlp=False)
+        base = base.for_framework(fw)
         restriction = (f"TP {'/'.join(map(str, tps))}, CP {'/'.join(map(str, cps))}, schedules "
                        f"{', '.join(scheds)}, precision {base.precision}, EP overlap "
                        f"{'where the schedule pairs micro-batches' if allow_overlap else 'none'}"

@@ -106,6 +106,14 @@ class Point:
         return head[3:] if head.startswith("MB-") else head
 
 
+def tokens_point(key: str, source: str, model: str, gpu: str, n_gpus: int, plan: Plan, tokens_per_s_per_gpu: float,
+                 note: str, what_differs: tuple[str, ...]) -> Point:
+    """A :class:`Point` whose source publishes tokens/s per GPU: its TFLOP/s is :func:`megatron_tflops` of that
+    rate for this plan, so the point's error is the tokens/s error."""
+    return Point(key, source, model, gpu, n_gpus, plan, megatron_tflops(model, plan, tokens_per_s_per_gpu), note,
+                 what_differs, tokens_per_s_per_gpu=tokens_per_s_per_gpu)
+
+
 def megatron_tflops(model: str, plan: Plan, tokens_per_s_per_gpu: float) -> float:
     """A published tokens/s per GPU in Megatron-Core TFLOP/s per GPU: times the Megatron FLOPs per token of
     ``model`` at the plan's sequence length and MTP depth (``moetrain.accounting``, what ``predict`` reports)."""
@@ -281,20 +289,16 @@ POINTS: tuple[Point, ...] = (
           1092, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: PP8/VP3, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
     # ---- other frameworks and other published guides -----------------------------------------------------------
-    Point("dsv3-b200-torchtitan-a2a", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
-          _TITAN_DSV3.replace(dispatcher="alltoall"),
-          megatron_tflops(_DS, _TITAN_DSV3, 651),
-          "651 tokens/s/GPU with PyTorch's NCCL all_to_all (the blog \"Enabling up to 41% faster pre-training: MXFP8 "
-          "and DeepEP for DeepSeek-V3 on B200 with TorchTitan\")",
-          ("TorchTitan", "FSDP + TP + PP", "full recompute", "8K sequences"), tokens_per_s_per_gpu=651),
-    Point("dsv3-b200-torchtitan-deepep", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
-          _TITAN_DSV3.replace(dispatcher="flex"),
-          megatron_tflops(_DS, _TITAN_DSV3, 859), "859 tokens/s/GPU with DeepEP (same run and blog)",
-          ("TorchTitan", "DeepEP"), tokens_per_s_per_gpu=859),
-    Point("dsv3-h100-automodel", "AutoModel performance summary", _DS, "h100", 256, _AUTOMODEL_DSV3,
-          megatron_tflops(_DS, _AUTOMODEL_DSV3, 1002), "1,002 tokens/s/GPU (250 TFLOP/s by AutoModel's formula); "
-          "an eager PyTorch-native FSDP2 stack, costed as framework torchtitan (no CUDA graphs, no EP overlap)",
-          ("NeMo AutoModel", "FSDP", "full recompute"), tokens_per_s_per_gpu=1002),
+    tokens_point("dsv3-b200-torchtitan-a2a", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
+                 _TITAN_DSV3.replace(dispatcher="alltoall"), 651,
+                 "PyTorch's NCCL all_to_all (the blog \"Enabling up to 41% faster pre-training: MXFP8 and DeepEP for "
+                 "DeepSeek-V3 on B200 with TorchTitan\")",
+                 ("TorchTitan", "FSDP + TP + PP", "full recompute", "8K sequences")),
+    tokens_point("dsv3-b200-torchtitan-deepep", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
+                 _TITAN_DSV3.replace(dispatcher="flex"), 859, "DeepEP (same run and blog)", ("TorchTitan", "DeepEP")),
+    tokens_point("dsv3-h100-automodel", "AutoModel performance summary", _DS, "h100", 256, _AUTOMODEL_DSV3, 1002,
+                 "250 TFLOP/s by AutoModel's formula; an eager PyTorch-native FSDP2 stack, costed as framework "
+                 "torchtitan (no CUDA graphs, no EP overlap)", ("NeMo AutoModel", "FSDP", "full recompute")),
     Point("dsv3-gb200-mlm-guide", "MegatronLM GB200 guide", _DS, "gb200", 256,
           Plan(pp=8, vpp=4, ep=32, micro_batch=1, global_batch=2048, precision="mxfp8", recompute="selective",
                recompute_modules=("moe_act", "mlp"), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
