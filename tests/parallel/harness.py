@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -36,6 +37,13 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable, args: t
         if dist.is_initialized():
             dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # The result is on disk: leave without interpreter finalisation. Tearing down torch's C++ state there (gloo
+    # work objects holding tensors with Python references, pytorch/pytorch#179291) can abort a process that has
+    # already finished its work -- a CI run saw "terminate called without an active exception" (SIGABRT) once in
+    # several hundred spawns -- and the test would then fail on a rank whose result was already correct.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn: Callable, *args: Any, timeout: float = 300) -> list[tuple[str, Any]]:
