@@ -314,3 +314,27 @@ def test_search_keeps_to_the_framework():
         assert p.plan.tp == 1 and p.plan.cp == 1 and p.plan.precision == "bf16" and p.plan.fsdp
     anyf = search("deepseek-v2-lite-16b", "h100", 16, base, micro_batch=(1,), vpp=(2,), framework=None)
     assert any(p.plan.tp > 1 for p in anyf.ranked)
+
+
+def test_qk_norm_charges_one_more_pass_over_q_and_k():
+    """Qwen3's per-head RMSNorm of q and k (a separate norm before RoPE in Megatron's attention): the
+    memory-bound time of an attention block grows by one read and write of q and k, forward and backward."""
+    from moetrain.plan.constants import ELEMENTWISE_BWD_TO_FWD
+    from moetrain.plan.model import item_cost
+    from moetrain.plan.shape import shape_from_hf
+
+    cfg = dict(validation.MODEL_CONFIGS["qwen3-30b-a3b"])
+    with_norm = shape_from_hf(cfg, name="qwen3")
+    without = shape_from_hf({**cfg, "model_type": "qwen2_moe"}, name="no-qk-norm")
+    assert with_norm.config.qk_norm and not without.config.qk_norm
+    plan, g = Plan(ep=8, global_batch=64, precision="mxfp8"), get_gpu("gb300")
+
+    def mem(shape):
+        c = _Ctx(shape, g, validate(plan, shape, g, 8), efficiency_for("blackwell"))
+        return c, item_cost(c, "t").mem_s
+
+    c, m_norm = mem(with_norm)
+    _, m_plain = mem(without)
+    kw = cfg["num_key_value_heads"] * cfg["head_dim"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    assert m_norm - m_plain == pytest.approx(c.n * 4 * (q + kw) * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm, rel=1e-9)

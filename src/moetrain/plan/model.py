@@ -415,6 +415,9 @@ def _attention_item(c: _Ctx, cost: ItemCost) -> None:
     else:
         kw = s.n_kv_heads * s.qk_head_dim
         fwd = 4 * h + 4 * (s.q_width + kw) + 4 * s.o_width + 6 * h
+        if getattr(s.config, "qk_norm", False):
+            # Qwen3's per-head RMSNorm of q and k: one more read and write of both before RoPE
+            fwd += 4 * (s.q_width + kw)
     cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
     # saved activations per token
     q, a = c.act_q, c.attn_q
