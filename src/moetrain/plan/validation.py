@@ -24,6 +24,13 @@ Sources:
   table's other MoE rows are not here: GPT-OSS (attention sinks, sliding windows: not in the accounting),
   Nemotron 3 (hybrid Mamba), Kimi-K2 (its tokens/s and TFLOP/s imply 204.6 GFLOP/token, the Megatron FLOPs of the
   Hugging Face Kimi-K2 config are 238.1: the benchmarked shape is not known).
+* ``MB-26.04.01`` / ``MB-26.04``: the same tables, sections "26.04.01 NeMo Container" (every DeepSeek-V3 and Qwen3
+  row) and "26.04 NeMo Container" (the three rows whose recipe 26.04.01 changed), recipes read at the release tags
+  the containers were built from (v0.4.2, v0.4.0). The 26.06.01 and 26.08 tables repeat the 26.06 recipes
+  unchanged (tags v0.5.1, v0.6.0) within 0.3-2% and their DeepSeek-V3 rows are the records' plans: not in the set.
+* ``MLM-recipes``: Megatron-LM's self-contained MoE recipes (NVIDIA/Megatron-LM dev 9c5258f109,
+  ``examples/moe_recipes/*.yaml`` with every training argument, median TFLOP/s in its README): every row with a
+  figure and a model the planner shapes.
 * ``ModelZoo``: NVIDIA's Megatron-MoE-ModelZoo (yanring/Megatron-MoE-ModelZoo ``best_practice/Qwen3/readme.md``,
   "Performance Results", 256 H100, InfiniBand 8 x 50 GB/s): Megatron-Core runs with the DeepEP and the A2A
   dispatchers, with and without 1F1B EP overlap; ``best_practice/mixtral/run_mixtral_8x22B.sh`` (e8650517):
@@ -150,36 +157,54 @@ _AUTOMODEL_DSV3 = Plan(pp=4, vpp=8, ep=64, micro_batch=1, global_batch=512, prec
 _MIXTRAL = Plan(tp=2, pp=8, vpp=7, ep=8, micro_batch=1, global_batch=256, precision="bf16", dispatcher="alltoall",
                 ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Mixtral-8x22B H100")
 
+#: Megatron-Bridge 26.04 / 26.04.01 recipe defaults (release tags v0.4.0 / v0.4.2): DeepSeek-V3 -- MXFP8 with FP8
+#: primary weights, precision-aware optimizer (BF16 moments and gradients), MTP 1, the recipes' 16-stage layout,
+#: selective recompute, hybridep, no EP overlap; Qwen3 -- MXFP8 with FP8 primary weights, FP32 optimizer, no
+#: recompute, hybridep, no EP overlap, TE graphs. Each point overrides what its recipe entry sets differently.
+_MB_DS = Plan(micro_batch=1, global_batch=4096, precision="mxfp8", fp8_param=True, optimizer="bf16",
+              dispatcher="flex", ep_overlap=False, recompute="selective", recompute_modules=("mla_up_proj",),
+              pp_layout=_LAYOUT, name="Megatron-Bridge 26.04 DeepSeek-V3 recipe")
+_MB_QW = Plan(micro_batch=1, global_batch=8192, precision="mxfp8", fp8_param=True, optimizer="fp32",
+              dispatcher="flex", ep_overlap=False, recompute="none", cuda_graphs="partial",
+              name="Megatron-Bridge 26.04 Qwen3 recipe")
+
+#: The common settings of Megatron-LM's MoE recipes (NVIDIA/Megatron-LM dev 9c5258f109, examples/moe_recipes/*.yaml):
+#: MXFP8 with FP8 primary weights, FP32 master and BF16 moments (precision-aware optimizer), the flex dispatcher
+#: (HybridEP, or DeepEP where the point says so), forced balance, sequences of 4,096, micro-batch 1; each point
+#: overrides what its YAML sets differently.
+_MLM = Plan(micro_batch=1, global_batch=8192, precision="mxfp8", fp8_param=True, optimizer="bf16-moments",
+            dispatcher="flex", ep_overlap=False, recompute="none", name="Megatron-LM MoE recipe")
+
 POINTS: tuple[Point, ...] = (
     # ---- DeepSeek-V3 on other GPUs / recipes / batch sizes ------------------------------------------------------
     Point("dsv3-b200-gbs4096", "MB-26.02 DGX-B200", _DS, "b200", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B200"),
+               pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True, name="DSv3 B200"),
           699, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V2: hybridep, no a2a overlap, no CUDA graphs, mla_up_proj",
           ("HGX B200 (8-GPU NVLink domain)", "PP16 x EP8")),
     Point("dsv3-b200-gbs2048", "MB-25.11 DGX-B200", _DS, "b200", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=2048, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B200 GBS2048"),
+               pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True, name="DSv3 B200 GBS2048"),
           557, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V1 (GBS 2048)", ("batch size",)),
     Point("dsv3-b300", "MB-26.02 DGX-B300", _DS, "b300", 256,
           Plan(pp=16, ep=8, micro_batch=1, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 B300"),
+               pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True, name="DSv3 B300"),
           776, "the table's PP16/EP8 is not the B300 recipe now in the repository (PP8/VP2); the B200 recipe's "
                "settings of that layout are assumed", ("HGX B300",)),
     Point("dsv3-gb300-mbs2", "MB-26.02 DGX-GB300", _DS, "gb300", 256,
           Plan(pp=2, vpp=8, ep=32, micro_batch=2, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="none",
-               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 GB300 26.02"),
+               pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True, name="DSv3 GB300 26.02"),
           1199, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_V1 (MBS 2, hybridep, no a2a overlap, cuda_graph_scope [], "
                 "mla_up_proj): the record's layout before overlap, graphs and FP8 attention",
           ("no EP overlap", "no CUDA graphs", "MBS 2")),
     Point("dsv3-gb200-2602", "MB-26.02 DGX-GB200", _DS, "gb200", 256,
           Plan(pp=4, vpp=4, ep=64, micro_batch=1, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mlp",), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
-               pp_layout=_LAYOUT, optimizer="bf16", name="DSv3 GB200 26.02"),
+               pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True, name="DSv3 GB200 26.02"),
           1028, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_V1: hybridep, no a2a overlap, partial CUDA graphs (attn, "
                 "moe_router, moe_preprocess), recompute mlp", ("no EP overlap", "partial CUDA graphs")),
     Point("dsv3-gb200-bf16", "MB-25.11 DGX-GB200", _DS, "gb200", 256,
@@ -197,32 +222,32 @@ POINTS: tuple[Point, ...] = (
     # ---- Qwen3-235B-A22B ---------------------------------------------------------------------------------------
     Point("qwen3-235b-gb300", "MB-26.02 DGX-GB300", _Q235, "gb300", 256,
           Plan(pp=4, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", dispatcher="flex",
-               ep_overlap=False, cuda_graphs="partial", optimizer="bf16", name="Qwen3-235B GB300"),
+               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True, name="Qwen3-235B GB300"),
           974, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_*_V2: hybridep, partial CUDA graphs", ("other model",)),
     Point("qwen3-235b-gb200", "MB-26.02 DGX-GB200", _Q235, "gb200", 256,
           Plan(pp=8, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", dispatcher="flex",
-               ep_overlap=False, cuda_graphs="partial", optimizer="bf16", name="Qwen3-235B GB200"),
+               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True, name="Qwen3-235B GB200"),
           806, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_CS_V2: hybridep, partial CUDA graphs",
           ("other model",)),
     Point("qwen3-235b-b200", "MB-26.02 DGX-B200", _Q235, "b200", 256,
           Plan(pp=8, ep=8, micro_batch=1, global_batch=8192, precision="mxfp8", dispatcher="alltoall",
-               ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Qwen3-235B B200"),
+               ep_overlap=False, cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-235B B200"),
           563, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_B200_FP8_CS_V2: alltoall dispatcher, no a2a overlap",
           ("other model", "alltoall dispatcher")),
     Point("qwen3-235b-h100", "MB-26.02 DGX-H100", _Q235, "h100", 256,
           Plan(tp=2, pp=8, vpp=4, ep=32, micro_batch=1, global_batch=8192, precision="fp8", dispatcher="alltoall",
-               ep_overlap=True, cuda_graphs="none", optimizer="bf16", name="Qwen3-235B H100"),
+               ep_overlap=True, cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-235B H100"),
           242, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2: alltoall dispatcher, moe_a2a_overlap",
           ("other model", "alltoall dispatcher", "combined 1F1B")),
     # ---- Qwen3-30B-A3B -----------------------------------------------------------------------------------------
     Point("qwen3-30b-gb200", "MB-26.02 DGX-GB200", _Q30, "gb200", 8,
           Plan(ep=8, micro_batch=4, global_batch=512, precision="mxfp8", dispatcher="flex", ep_overlap=False,
-               cuda_graphs="partial", optimizer="bf16", name="Qwen3-30B GB200"),
+               cuda_graphs="partial", optimizer="fp32", fp8_param=True, name="Qwen3-30B GB200"),
           600, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1: hybridep, partial CUDA graphs",
           ("small model", "8 GPUs")),
     Point("qwen3-30b-h100", "MB-26.02 DGX-H100", _Q30, "h100", 16,
           Plan(pp=2, vpp=12, ep=8, micro_batch=1, global_batch=1024, precision="fp8", dispatcher="flex",
-               ep_overlap=False, cuda_graphs="none", optimizer="bf16", name="Qwen3-30B H100"),
+               ep_overlap=False, cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-30B H100"),
           118, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: hybridep, no a2a overlap (the table's EP8 "
                "used, the recipe file says 16). The row is consistent: 5,113 tok/s x 23.0 GFLOP/token = 118 TFLOP/s "
                "(an earlier revision of this file misread it as 2,557 tok/s and flagged it); the same layout "
@@ -246,48 +271,133 @@ POINTS: tuple[Point, ...] = (
     # ---- 26.06 NeMo container: the release of the GB300 / GB200 records, its recipes ---------------------------
     Point("dsv3-gb300-gbs15360", "MB-26.06 DGX-GB300", _DS, "gb300", 256,
           Plan(pp=2, vpp=8, ep=32, micro_batch=1, global_batch=15360, precision="mxfp8", attn_precision="fp8",
-               recompute="none", ep_overlap=True, pp_layout=_LAYOUT, optimizer="bf16", dispatcher="flex",
+               recompute="none", ep_overlap=True, pp_layout=_LAYOUT, optimizer="bf16", fp8_param=True,
+               dispatcher="flex",
                cuda_graphs="full", fused_mlp=True, name="DSv3 GB300 GBS15360"),
           1670, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX (the record's) at GBS 15,360", ("batch size",)),
     Point("dsv3-b300-2606", "MB-26.06 DGX-B300", _DS, "b300", 256,
           Plan(pp=8, ep=8, micro_batch=2, global_batch=4096, precision="mxfp8", recompute="selective",
                recompute_modules=("mla_up_proj",), dispatcher="flex", ep_overlap=False, cuda_graphs="partial",
-               pp_layout=_LAYOUT_PP8, optimizer="bf16", name="DSv3 B300 26.06"),
+               pp_layout=_LAYOUT_PP8, optimizer="bf16", fp8_param=True, name="DSv3 B300 26.06"),
           920, "recipe DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2: MBS 2, PP8, EP8, hybridep, no a2a overlap, TE graphs of "
                "attn / moe_router / moe_preprocess, mla_up_proj; the recipes' DeepSeek-V3 layout for PP8",
           ("HGX B300", "PP8 x EP8", "MBS 2")),
     Point("qwen3-30b-gb300-2606", "MB-26.06 DGX-GB300", _Q30, "gb300", 8,
           Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B GB300 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
+               name="Qwen3-30B GB300 26.06"),
           1041, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB300_FP8_MX_V1: MBS 8, hybridep, a2a overlap, full-iteration "
                 "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
     Point("qwen3-30b-gb200-2606", "MB-26.06 DGX-GB200", _Q30, "gb200", 8,
           Plan(ep=8, micro_batch=4, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B GB200 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
+               name="Qwen3-30B GB200 26.06"),
           936, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1: MBS 4, hybridep, a2a overlap, full-iteration "
                "graphs, fused grouped MLP, FP8 attention", ("small model", "8 GPUs")),
     Point("qwen3-30b-b300-2606", "MB-26.06 DGX-B300", _Q30, "b300", 8,
           Plan(ep=8, micro_batch=8, global_batch=512, precision="mxfp8", attn_precision="fp8", dispatcher="flex",
-               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16", name="Qwen3-30B B300 26.06"),
+               ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
+               name="Qwen3-30B B300 26.06"),
           938, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_B300_FP8_MX_V1: as GB300 (MBS 8), on one HGX B300 node",
           ("HGX B300", "small model")),
     Point("qwen3-30b-h100-2606", "MB-26.06 DGX-H100", _Q30, "h100", 16,
           Plan(ep=16, micro_batch=1, global_batch=1024, precision="fp8", dispatcher="flex", ep_overlap=False,
-               cuda_graphs="none", optimizer="bf16", name="Qwen3-30B H100 26.06"),
+               cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-30B H100 26.06"),
           203, "recipe QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: EP16 over two nodes, hybridep, no a2a overlap, "
                "no CUDA graphs", ("small model", "EP over InfiniBand")),
     Point("qwen3-235b-gb300-2606", "MB-26.06 DGX-GB300", _Q235, "gb300", 256,
           Plan(pp=4, vpp=12, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", attn_precision="fp8",
-               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
                name="Qwen3-235B GB300 26.06"),
           1335, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2: PP4/VP12, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
     Point("qwen3-235b-gb200-2606", "MB-26.06 DGX-GB200", _Q235, "gb200", 256,
           Plan(pp=8, vpp=3, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", attn_precision="fp8",
-               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="bf16",
+               dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
                name="Qwen3-235B GB200 26.06"),
           1092, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: PP8/VP3, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
+    # ---- 26.04.01 NeMo container (and the 26.04 rows whose recipe 26.04.01 changed): recipes at the release tags
+    # v0.4.2 / v0.4.0 (the branch each container was built from). No fused grouped MLP, no FP8 attention yet. -----
+    Point("dsv3-gb300-260401", "MB-26.04.01 DGX-GB300", _DS, "gb300", 256,
+          _MB_DS.replace(pp=2, vpp=8, ep=32, micro_batch=2, recompute_modules=("mla_up_proj",), cuda_graphs="none",
+                         name="DSv3 GB300 26.04.01"), 1298,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_GB300_FP8_MX_V2 @v0.4.2: MBS 2, hybridep, no overlap, no graphs, mla_up_proj",
+          ("no EP overlap", "no CUDA graphs", "MBS 2")),
+    Point("dsv3-gb200-260401", "MB-26.04.01 DGX-GB200", _DS, "gb200", 256,
+          _MB_DS.replace(pp=4, vpp=4, ep=64, recompute_modules=("mlp",), cuda_graphs="partial",
+                         name="DSv3 GB200 26.04.01"), 1106,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_GB200_FP8_MX_V2 @v0.4.2: hybridep, no overlap, TE graphs of attn / moe_router "
+          "/ moe_preprocess, recompute mlp", ("no EP overlap", "partial CUDA graphs")),
+    Point("dsv3-b300-260401", "MB-26.04.01 DGX-B300", _DS, "b300", 256,
+          _MB_DS.replace(pp=8, ep=8, micro_batch=2, recompute_modules=("mla_up_proj",), cuda_graphs="partial",
+                         pp_layout=_LAYOUT_PP8, name="DSv3 B300 26.04.01"), 898,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2 @v0.4.2: MBS 2, PP8, EP8, hybridep, no overlap, TE graphs of attn / "
+          "moe_router / moe_preprocess, mla_up_proj", ("HGX B300", "PP8 x EP8")),
+    Point("dsv3-b200-260401", "MB-26.04.01 DGX-B200", _DS, "b200", 256,
+          _MB_DS.replace(pp=8, vpp=2, ep=32, recompute_modules=("mla_up_proj", "mlp"), ep_overlap=True,
+                         cuda_graphs="partial", name="DSv3 B200 26.04.01"), 864,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_B200_FP8_MX_V2 @v0.4.2: PP8/VP2, EP32 over four nodes, DeepEP, EP overlap, TE "
+          "graphs of attn / moe_router / moe_preprocess, recompute mla_up_proj + mlp",
+          ("HGX B200", "EP32 over InfiniBand", "DeepEP costed as flex")),
+    Point("qwen3-30b-gb300-260401", "MB-26.04.01 DGX-GB300", _Q30, "gb300", 8,
+          _MB_QW.replace(ep=8, micro_batch=8, global_batch=512, name="Qwen3-30B GB300 26.04.01"), 729,
+          "QWEN3_30B_A3B_PRETRAIN_CONFIG_GB300_FP8_MX_V1 @v0.4.2: hybridep, no overlap, TE graphs of moe_router / "
+          "moe_preprocess (attention eager: a plan's partial graphs take it as graphed)",
+          ("small model", "attention not graphed")),
+    Point("qwen3-30b-gb200-260401", "MB-26.04.01 DGX-GB200", _Q30, "gb200", 8,
+          _MB_QW.replace(ep=8, micro_batch=4, global_batch=512, name="Qwen3-30B GB200 26.04.01"), 599,
+          "QWEN3_30B_A3B_PRETRAIN_CONFIG_GB200_FP8_MX_V1 @v0.4.2: as GB300 at MBS 4",
+          ("small model", "attention not graphed")),
+    Point("qwen3-30b-b300-260401", "MB-26.04.01 DGX-B300", _Q30, "b300", 8,
+          _MB_QW.replace(ep=8, micro_batch=8, global_batch=512, name="Qwen3-30B B300 26.04.01"), 704,
+          "QWEN3_30B_A3B_PRETRAIN_CONFIG_B300_FP8_MX_V1 @v0.4.2: as GB300, one HGX B300 node",
+          ("HGX B300", "small model", "attention not graphed")),
+    Point("qwen3-30b-b200-260401", "MB-26.04.01 DGX-B200", _Q30, "b200", 8,
+          _MB_QW.replace(ep=8, micro_batch=4, global_batch=512, name="Qwen3-30B B200 26.04.01"), 619,
+          "QWEN3_30B_A3B_PRETRAIN_CONFIG_B200_FP8_MX_V1 @v0.4.2: hybridep, no overlap, TE graphs of attn / "
+          "moe_router / moe_preprocess, one HGX B200 node", ("HGX B200", "small model")),
+    Point("qwen3-30b-h100-260401", "MB-26.04.01 DGX-H100", _Q30, "h100", 16,
+          _MB_QW.replace(ep=16, global_batch=1024, precision="fp8", cuda_graphs="none",
+                         name="Qwen3-30B H100 26.04.01"), 206,
+          "QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 @v0.4.2: EP16 over two nodes, hybridep, no graphs",
+          ("small model", "EP over InfiniBand")),
+    Point("qwen3-235b-gb300-260401", "MB-26.04.01 DGX-GB300", _Q235, "gb300", 256,
+          _MB_QW.replace(pp=4, vpp=12, ep=32, micro_batch=2, name="Qwen3-235B GB300 26.04.01"), 1029,
+          "QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2 @v0.4.2: PP4/VP12, hybridep, no overlap, TE graphs of "
+          "attn / moe_router / moe_preprocess", ("partial CUDA graphs", "no EP overlap")),
+    Point("qwen3-235b-gb200-260401", "MB-26.04.01 DGX-GB200", _Q235, "gb200", 256,
+          _MB_QW.replace(pp=8, vpp=3, ep=32, name="Qwen3-235B GB200 26.04.01"), 840,
+          "QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2 @v0.4.2: PP8/VP3, hybridep, no overlap, TE graphs of "
+          "attn / moe_router / moe_preprocess", ("partial CUDA graphs", "no EP overlap")),
+    Point("qwen3-235b-b300-260401", "MB-26.04.01 DGX-B300", _Q235, "b300", 256,
+          _MB_QW.replace(pp=8, ep=8, micro_batch=2, cuda_graphs="none", name="Qwen3-235B B300 26.04.01"), 878,
+          "QWEN3_235B_A22B_PRETRAIN_CONFIG_B300_FP8_MX_V2 @v0.4.2: PP8, EP8, hybridep, no overlap, no graphs",
+          ("HGX B300", "no CUDA graphs")),
+    Point("qwen3-235b-b200-260401", "MB-26.04.01 DGX-B200", _Q235, "b200", 256,
+          _MB_QW.replace(pp=8, ep=8, dispatcher="alltoall", cuda_graphs="none", name="Qwen3-235B B200 26.04.01"),
+          560, "QWEN3_235B_A22B_PRETRAIN_CONFIG_B200_FP8_MX_V2 @v0.4.2: PP8, EP8, alltoall, no overlap, no graphs",
+          ("HGX B200", "alltoall dispatcher")),
+    Point("qwen3-235b-h100-260401", "MB-26.04.01 DGX-H100", _Q235, "h100", 256,
+          _MB_QW.replace(tp=2, pp=8, vpp=4, ep=32, precision="fp8", dispatcher="alltoall", ep_overlap=True,
+                         cuda_graphs="none", name="Qwen3-235B H100 26.04.01"), 253,
+          "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2 @v0.4.2: TP2/PP8/VP4/EP32, alltoall, EP overlap, no graphs",
+          ("alltoall dispatcher", "combined 1F1B")),
+    Point("dsv3-b300-2604", "MB-26.04 DGX-B300", _DS, "b300", 256,
+          _MB_DS.replace(pp=16, ep=8, recompute_modules=("mla_up_proj",), cuda_graphs="none",
+                         name="DSv3 B300 26.04"), 814,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2 @v0.4.0: PP16, EP8, hybridep, no overlap, no graphs, mla_up_proj",
+          ("HGX B300", "PP16 x EP8")),
+    Point("dsv3-b200-2604", "MB-26.04 DGX-B200", _DS, "b200", 256,
+          _MB_DS.replace(pp=16, ep=8, recompute_modules=("mla_up_proj",), cuda_graphs="none",
+                         name="DSv3 B200 26.04"), 732,
+          "DEEPSEEK_V3_PRETRAIN_CONFIG_B200_V2 @v0.4.0: PP16, EP8, hybridep, no overlap, no graphs, mla_up_proj",
+          ("HGX B200", "PP16 x EP8")),
+    Point("qwen3-235b-b300-2604", "MB-26.04 DGX-B300", _Q235, "b300", 256,
+          _MB_QW.replace(pp=8, ep=8, micro_batch=2, dispatcher="alltoall", cuda_graphs="none",
+                         name="Qwen3-235B B300 26.04"), 720,
+          "QWEN3_235B_A22B_PRETRAIN_CONFIG_B300_FP8_MX_V2 @v0.4.0: alltoall (26.04.01 moved it to hybridep: 720 -> "
+          "878 TFLOP/s)", ("HGX B300", "alltoall dispatcher")),
     # ---- other frameworks and other published guides -----------------------------------------------------------
     tokens_point("dsv3-b200-torchtitan-a2a", "TorchTitan PyTorch+Nebius blog", _DS, "b200", 256,
                  _TITAN_DSV3.replace(dispatcher="alltoall"), 651,
@@ -312,6 +422,83 @@ POINTS: tuple[Point, ...] = (
     Point("mixtral-8x22b-h100-fp8", "ModelZoo Mixtral H100", _MIX, "h100", 128,
           _MIXTRAL.replace(precision="fp8", name="Mixtral-8x22B H100 FP8"), 560,
           "forced balance; FP8 blockwise (DeepSeek 1x128 / 128x128)", ("Mixtral", "FP8 blockwise")),
+    # ---- Megatron-LM's self-contained MoE recipes (examples/moe_recipes, dev branch 9c5258f109): every argument in
+    # the YAML, the median TFLOP/s in its README; pairs that differ only in CUDA graphs or precision ------------------
+    Point("mlm-dsv3-b200", "MLM-recipes B200", _DS, "b200", 256,
+          _MLM.replace(pp=8, vpp=2, ep=32, global_batch=2048, recompute="selective",
+                       recompute_modules=("mla_up_proj", "mlp"), ep_overlap=True, cuda_graphs="none",
+                       pp_layout=_LAYOUT, name="DSv3 B200 MLM recipe"), 776.7,
+          "deepseek_v3/b200/mxfp8_256GPU_TP1PP8EP32.yaml: DeepEP (24 SMs), EP overlap, no graphs, recompute "
+          "mla_up_proj + mlp", ("HGX B200", "EP32 over four nodes", "DeepEP costed as flex")),
+    Point("mlm-dsv3-gb200", "MLM-recipes GB200", _DS, "gb200", 256,
+          _MLM.replace(pp=4, vpp=4, ep=64, recompute="selective", recompute_modules=("mla_up_proj",),
+                       ep_overlap=True, cuda_graphs="partial", pp_layout=_LAYOUT, name="DSv3 GB200 MLM recipe"),
+          1127.6, "deepseek_v3/gb200/mxfp8_256GPU_TP1PP4EP64.yaml: HybridEP, EP overlap, TE graphs of attn / "
+                  "moe_router / moe_preprocess, recompute mla_up_proj; it also offloads expert_fc1 activations and "
+                  "optimizer states to the host, which a plan does not express",
+          ("activation and optimizer offload", "partial graphs")),
+    Point("mlm-dsv3-gb300", "MLM-recipes GB300", _DS, "gb300", 256,
+          _MLM.replace(pp=4, vpp=4, ep=64, ep_overlap=True, cuda_graphs="partial", pp_layout=_LAYOUT,
+                       name="DSv3 GB300 MLM recipe"), 1357.7,
+          "deepseek_v3/gb300/mxfp8_256GPU_TP1PP4EP64.yaml: HybridEP, EP overlap, TE graphs of attn / moe_router / "
+          "moe_preprocess, no recompute", ("PP4 x EP64", "partial graphs")),
+    Point("mlm-qwen3-235b-h100", "MLM-recipes H100", _Q235, "h100", 256,
+          _MLM.replace(tp=2, pp=8, vpp=4, ep=32, global_batch=2048, precision="bf16", fp8_param=False,
+                       recompute="selective", recompute_modules=("moe_act", "layernorm"), ep_overlap=True,
+                       cuda_graphs="partial", name="Qwen3-235B H100 MLM recipe"), 214.3,
+          "qwen3_235b/h100/bf16_256GPU_TP2PP8EP32.yaml: HybridEP over InfiniBand, EP overlap, TE graphs of "
+          "moe_router / moe_preprocess only (a plan's partial graphs take attention as graphed too)",
+          ("BF16", "attention not graphed")),
+    Point("mlm-qwen3-235b-b200", "MLM-recipes B200", _Q235, "b200", 128,
+          _MLM.replace(tp=2, pp=4, vpp=12, ep=16, micro_batch=3, global_batch=3072, ep_overlap=True,
+                       cuda_graphs="none", name="Qwen3-235B B200 MLM recipe"), 633.9,
+          "qwen3_235b/b200/mxfp8_128GPU_TP2PP4EP16.yaml: DeepEP (20 SMs), EP overlap, no graphs, VPP12",
+          ("HGX B200", "EP16 over two nodes", "DeepEP costed as flex")),
+    Point("mlm-qwen3-235b-b300", "MLM-recipes B300", _Q235, "b300", 128,
+          _MLM.replace(tp=2, ep=16, micro_batch=3, global_batch=9216, ep_overlap=True, cuda_graphs="partial",
+                       name="Qwen3-235B B300 MLM recipe"), 922.6,
+          "qwen3_235b/b300/mxfp8_128GPU_TP2PP1EP16_partial_cg.yaml: HybridEP, EP overlap, TE graphs of attn / "
+          "moe_router", ("HGX B300", "EP16 over two nodes")),
+    Point("mlm-qwen3-235b-gb200-fullcg", "MLM-recipes GB200", _Q235, "gb200", 128,
+          _MLM.replace(ep=64, ep_overlap=True, cuda_graphs="full", fused_mlp=True,
+                       name="Qwen3-235B GB200 MLM recipe, full graphs"), 1159.5,
+          "qwen3_235b/gb200/mxfp8_128GPU_TP1PP1EP64_paged_stash_fullcg_overlap.yaml: paged stash, full-iteration "
+          "graphs, TE op fuser with the CuTe DSL fused grouped MLP, HybridEP, EP overlap", ("PP1 x EP64",)),
+    Point("mlm-qwen3-235b-gb200-partial", "MLM-recipes GB200", _Q235, "gb200", 128,
+          _MLM.replace(ep=64, ep_overlap=True, cuda_graphs="partial",
+                       name="Qwen3-235B GB200 MLM recipe, partial graphs"), 1018,
+          "qwen3_235b/gb200/mxfp8_128GPU_TP1PP1EP64_partial_cg_overlap.yaml: the full-graph recipe's layout with TE "
+          "graphs of attn / moe_router / moe_preprocess and the unfused grouped MLP", ("partial graphs",)),
+    Point("mlm-qwen3-235b-gb300-fullcg", "MLM-recipes GB300", _Q235, "gb300", 128,
+          _MLM.replace(ep=64, ep_overlap=True, cuda_graphs="full", fused_mlp=True,
+                       name="Qwen3-235B GB300 MLM recipe, full graphs"), 1323.1,
+          "qwen3_235b/gb300/mxfp8_128GPU_TP1PP1EP64_paged_stash_full_cg.yaml: as the GB200 full-graph recipe",
+          ("PP1 x EP64",)),
+    Point("mlm-qwen3-30b-h100-fp8", "MLM-recipes H100", _Q30, "h100", 32,
+          _MLM.replace(ep=8, global_batch=256, precision="fp8", cuda_graphs="partial",
+                       name="Qwen3-30B H100 FP8 MLM recipe"), 232.4,
+          "qwen3_30b/h100/fp8_32GPU_TP1PP1EP8.yaml: FP8 blockwise, HybridEP, TE graphs of attn / moe_router / "
+          "moe_preprocess, no EP overlap", ("small model", "FP8 blockwise")),
+    Point("mlm-qwen3-30b-h100-bf16", "MLM-recipes H100", _Q30, "h100", 32,
+          _MLM.replace(ep=8, global_batch=256, precision="bf16", fp8_param=False, cuda_graphs="none",
+                       optimizer="fp32", name="Qwen3-30B H100 BF16 MLM recipe"), 234.1,
+          "qwen3_30b/h100/bf16_32GPU_TP1PP1EP8.yaml: BF16, HybridEP, no graphs, no EP overlap",
+          ("small model", "BF16")),
+    Point("mlm-qwen3-30b-gb200-bf16", "MLM-recipes GB200", _Q30, "gb200", 16,
+          _MLM.replace(ep=16, micro_batch=4, global_batch=512, precision="bf16", fp8_param=False,
+                       cuda_graphs="none", optimizer="fp32", name="Qwen3-30B GB200 BF16 MLM recipe"), 528,
+          "qwen3_30b/gb200/bf16_16GPU_TP1PP1EP16.yaml: BF16, HybridEP, no graphs, no EP overlap",
+          ("small model", "BF16", "no graphs")),
+    Point("mlm-qwen3-30b-gb200-partial", "MLM-recipes GB200", _Q30, "gb200", 16,
+          _MLM.replace(ep=16, micro_batch=4, global_batch=512, fp8_param=False, cuda_graphs="partial",
+                       optimizer="fp32", name="Qwen3-30B GB200 MXFP8 MLM recipe, partial graphs"), 514,
+          "qwen3_30b/gb200/mxfp8_16GPU_TP1PP1EP16_partial_cg.yaml: MXFP8, TE graphs of attn / moe_router / "
+          "moe_preprocess: published slower than the BF16 recipe without graphs", ("small model", "MXFP8")),
+    Point("mlm-qwen3-30b-gb200-fullcg", "MLM-recipes GB200", _Q30, "gb200", 16,
+          _MLM.replace(ep=16, micro_batch=4, global_batch=512, fp8_param=False, cuda_graphs="full", fused_mlp=True,
+                       optimizer="fp32", name="Qwen3-30B GB200 MXFP8 MLM recipe, full graphs"), 646.8,
+          "qwen3_30b/gb200/mxfp8_16GPU_TP1PP1EP16_paged_stash.yaml: MXFP8, paged stash, full-iteration graphs, "
+          "fused grouped MLP", ("small model", "full graphs")),
 )
 
 
