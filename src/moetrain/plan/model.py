@@ -536,8 +536,13 @@ def _moe_item(c: _Ctx, cost: ItemCost) -> None:
     # memory-bound: norm + cast, router scores, permute (+cast), SwiGLU (+cast; inside the GEMMs' epilogues and
     # prologues of a fused grouped MLP), unpermute, shared add, residual
     swiglu = 0.0 if p.fused_mlp else 6 * k * F * c.imb
+    # the alltoall dispatcher permutes twice: a global permute (k copies of each token, by destination rank) before
+    # the all-to-all and a local sort of the received rows by expert after it, and the reverse pair in the combine;
+    # flex dispatchers (DeepEP, HybridEP) fuse the global permute into the dispatch kernel and keep only the local
+    # one (Megatron-LM's GB200 guide, sec. 2.1.1). The second pair reads and writes every row once more each way.
+    sort = 8 * k * h * c.imb if p.resolved_dispatcher == "alltoall" else 0.0
     fwd = (4 * h + 16 * s.n_experts + (2 * h + 2 * k * h) * c.imb + swiglu
-           + (2 * k * h) * c.imb + 2 * h + 6 * h + 6 * h)
+           + (2 * k * h) * c.imb + 2 * h + 6 * h + 6 * h + sort)
     cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm
     # saved activations: residual, router input and scores, expert inputs, fc1 outputs (SwiGLU input), fc2 inputs
     q = c.act_q
