@@ -653,7 +653,7 @@ def host_launch(c: _Ctx, kind: str) -> HostLaunch:
     fwd_kernels = before[kind] + after
     bwd_kernels = 2 * fwd_kernels
     if c.plan.recompute == "full" and kind in ("d", "t", "m"):
-        bwd_kernels += fwd_kernels / 3 * 4 - fwd_kernels  # the forward again, as before this split: x 4/3 overall
+        bwd_kernels += fwd_kernels  # the backward runs the forward again first
     exp_fwd = exp_bwd = 0.0
     if kind in ("t", "m") and c.e_loc > 1 and not c.plan.fused_mlp:
         total = KERNELS_PER_EXPERT["fp8" if c.fp8 else "bf16"]
@@ -668,7 +668,7 @@ def host_launch_s(c: _Ctx, kind: str) -> float:
     return host_launch(c, kind).total
 
 
-def exposed_host_s(cost: ItemCost, hl: HostLaunch, overlap: bool) -> float:
+def exposed_host_s(cost: ItemCost, hl: HostLaunch, overlap: bool, resync: bool = False) -> float:
     """GPU time an item waits for the host to launch its kernels, for one micro-batch.
 
     The host runs ahead of the GPU only as far as the next device-to-host sync. A MoE layer's forward syncs once,
@@ -676,26 +676,33 @@ def exposed_host_s(cost: ItemCost, hl: HostLaunch, overlap: bool) -> float:
     and its permutes) run no earlier than they are launched, and the rest of the layer (combine, then the next
     attention block and router) only after them. With blocks launched in that order and queued as they come,
     the forward takes max over j of (host time to launch blocks 1..j + GPU time of blocks after j), and never
-    less than its GPU time (the standard bound for a launch queue). The backward has no sync: its host time is
-    exposed only beyond its GPU time, as is every item without a dispatch. Forward is a third of the compute,
-    as everywhere in this model; the all-to-all of an overlapped schedule runs on its own stream and is left out.
+    less than its GPU time (the standard bound for a launch queue). ``resync``: the backward runs the MoE block's
+    forward again (full or ``moe`` recompute), sync included, and waits the same again. Otherwise the backward
+    has no sync: its host time is exposed only beyond its GPU time, as is every item without a dispatch. Forward
+    is a third of the compute other than recompute (which runs in the backward), as everywhere in this model.
+    Only GPU work on the compute stream hides launches: under an overlapped schedule the all-to-all runs on its own
+    stream and hides none, so an overlapped eager layer can be slower than a plain one (Megatron-Bridge turned
+    Qwen3-235B's EP overlap off on B200 "due to CPU overhead": 20.1 s -> 16.9 s a step, its PR #1760).
     """
-    comp = cost.compute_s - cost.host_s + cost.tp_s + cost.cp_s
-    if len(cost.a2a_passes) == 4 and not overlap:
+    rec = cost.recompute_s
+    comp = cost.compute_s - cost.host_s - rec + cost.tp_s + cost.cp_s
+    if overlap:
+        df = cf = a2a_bwd = 0.0
+    elif len(cost.a2a_passes) == 4:
         df, cf, cb, db = cost.a2a_passes
         a2a_bwd = cb + db + cost.a2a_extra_s
     else:
         df = cf = 0.0
-        a2a_bwd = 0.0 if overlap else cost.a2a_s / 2
-    g_bwd = 2 * comp / 3 + a2a_bwd
-    bwd = max(0.0, hl.backward - g_bwd)
+        a2a_bwd = cost.a2a_s / 2
+    g_bwd = 2 * comp / 3 + rec + a2a_bwd
     if hl.after_sync <= 0.0:
         a2a_fwd = 0.0 if overlap else cost.a2a_s - a2a_bwd
-        return max(0.0, hl.before_sync - (comp / 3 + a2a_fwd)) + bwd
+        return max(0.0, hl.before_sync - (comp / 3 + a2a_fwd)) + max(0.0, hl.backward - g_bwd)
     g_moe = (1 - cost.attn_share) * comp / 3 + df      # the expert MLP's forward, after the dispatch
     g_rest = cf + cost.attn_share * comp / 3           # combine, then attention, norms, router
     t_fwd = max(g_moe + g_rest, hl.after_sync + g_rest, hl.after_sync + hl.before_sync)
-    return max(0.0, t_fwd - g_moe - g_rest) + bwd
+    fwd = max(0.0, t_fwd - g_moe - g_rest)
+    return fwd + max(0.0, hl.backward - g_bwd) + (fwd if resync else 0.0)
 
 
 def item_cost(c: _Ctx, kind: str) -> ItemCost:
@@ -742,7 +749,8 @@ def item_cost(c: _Ctx, kind: str) -> ItemCost:
         cost.tp_s *= 1.5
     cost.overhead_s += _ops_overhead(c, kind)
     # eager launches: the GPU cannot run a kernel before the host has launched it (exposed_host_s)
-    cost.host_s = exposed_host_s(cost, host_launch(c, kind), p.overlapped and p.ep > 1)
+    cost.host_s = exposed_host_s(cost, host_launch(c, kind), p.overlapped and p.ep > 1,
+                                 resync=p.recompute == "full" or "moe" in p.recomputed)
     return cost
 
 

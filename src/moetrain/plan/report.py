@@ -151,7 +151,8 @@ def compare_summary(a: Prediction, b: Prediction, label_a: str, label_b: str) ->
     ta, tb = a.plan.tokens_per_step / a.n_gpus, b.plan.tokens_per_step / b.n_gpus
     diffs = sorted(((ra[k] / ta - rb.get(k, 0.0) / tb, k) for k in ra), key=lambda x: -abs(x[0]))
     total = a.step.step / ta - b.step.step / tb
-    parts = [f"{k} {d / abs(total):+.0%}" if total else k for d, k in diffs[:3]]
+    # a mechanism's share is positive where it works for the faster run, negative where against it
+    parts = [f"{k} {d / total:+.0%}" if total else k for d, k in diffs[:3]]
     faster = label_b if total > 0 else label_a
     return (f"{faster} is faster per token by {abs(total) / max(a.step.step / ta, b.step.step / tb):.1%}; "
             f"largest differences (share of the gap): " + ", ".join(parts))

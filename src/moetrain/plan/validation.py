@@ -130,6 +130,25 @@ def megatron_tflops(model: str, plan: Plan, tokens_per_s_per_gpu: float) -> floa
         plan.seq_len) / 1e12
 
 
+def even_layout(n_layers: int, pp: int, vpp: int = 1) -> str:
+    """The pipeline layout Megatron-Core builds with ``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split`` (the Qwen3 recipes of Megatron-Bridge and Megatron-LM): the embedding
+    and the loss count as one layer each, and the ``n_layers + 2`` slots split evenly over the ``pp x vpp``
+    chunks. E.g. 94 layers on PP4 x VP12: ``"Et|(t*2|)*46tL"``. Raises ValueError if the slots do not divide."""
+    chunks = pp * vpp
+    if (n_layers + 2) % chunks:
+        raise ValueError(f"{n_layers} layers + embedding + loss do not split evenly over {chunks} chunks")
+    per = (n_layers + 2) // chunks
+
+    def run(n: int) -> str:
+        return "t" if n == 1 else f"t*{n}"
+
+    if chunks == 1:
+        return f"E{run(n_layers)}L"
+    middle = f"({run(per)}|)*{chunks - 2}" if chunks > 2 else ""
+    return f"E{run(per - 1)}|{middle}{run(per - 1)}L"
+
+
 _DS = "deepseek-v3-671b"
 _Q235, _Q30, _MIX = "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x22b"
 #: Megatron-Bridge's DeepSeek-V3 pipeline layouts (``set_deepseek_v3_pipeline_model_parallel_layout`` in
@@ -222,21 +241,25 @@ POINTS: tuple[Point, ...] = (
     # ---- Qwen3-235B-A22B ---------------------------------------------------------------------------------------
     Point("qwen3-235b-gb300", "MB-26.02 DGX-GB300", _Q235, "gb300", 256,
           Plan(pp=4, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", dispatcher="flex",
-               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True, name="Qwen3-235B GB300"),
+               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True,
+               pp_layout=even_layout(94, 4, 1), name="Qwen3-235B GB300"),
           974, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_*_V2: hybridep, partial CUDA graphs", ("other model",)),
     Point("qwen3-235b-gb200", "MB-26.02 DGX-GB200", _Q235, "gb200", 256,
           Plan(pp=8, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", dispatcher="flex",
-               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True, name="Qwen3-235B GB200"),
+               ep_overlap=False, cuda_graphs="partial", optimizer="fp32", fp8_param=True,
+               pp_layout=even_layout(94, 8, 1), name="Qwen3-235B GB200"),
           806, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_CS_V2: hybridep, partial CUDA graphs",
           ("other model",)),
     Point("qwen3-235b-b200", "MB-26.02 DGX-B200", _Q235, "b200", 256,
           Plan(pp=8, ep=8, micro_batch=1, global_batch=8192, precision="mxfp8", dispatcher="alltoall",
-               ep_overlap=False, cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-235B B200"),
+               ep_overlap=False, cuda_graphs="none", optimizer="fp32", fp8_param=True,
+               pp_layout=even_layout(94, 8, 1), name="Qwen3-235B B200"),
           563, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_B200_FP8_CS_V2: alltoall dispatcher, no a2a overlap",
           ("other model", "alltoall dispatcher")),
     Point("qwen3-235b-h100", "MB-26.02 DGX-H100", _Q235, "h100", 256,
           Plan(tp=2, pp=8, vpp=4, ep=32, micro_batch=1, global_batch=8192, precision="fp8", dispatcher="alltoall",
-               ep_overlap=True, cuda_graphs="none", optimizer="fp32", fp8_param=True, name="Qwen3-235B H100"),
+               ep_overlap=True, cuda_graphs="none", optimizer="fp32", fp8_param=True, pp_layout=even_layout(94, 8, 4),
+               name="Qwen3-235B H100"),
           242, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2: alltoall dispatcher, moe_a2a_overlap",
           ("other model", "alltoall dispatcher", "combined 1F1B")),
     # ---- Qwen3-30B-A3B -----------------------------------------------------------------------------------------
@@ -308,13 +331,13 @@ POINTS: tuple[Point, ...] = (
     Point("qwen3-235b-gb300-2606", "MB-26.06 DGX-GB300", _Q235, "gb300", 256,
           Plan(pp=4, vpp=12, ep=32, micro_batch=2, global_batch=8192, precision="mxfp8", attn_precision="fp8",
                dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
-               name="Qwen3-235B GB300 26.06"),
+               pp_layout=even_layout(94, 4, 12), name="Qwen3-235B GB300 26.06"),
           1335, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2: PP4/VP12, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
     Point("qwen3-235b-gb200-2606", "MB-26.06 DGX-GB200", _Q235, "gb200", 256,
           Plan(pp=8, vpp=3, ep=32, micro_batch=1, global_batch=8192, precision="mxfp8", attn_precision="fp8",
                dispatcher="flex", ep_overlap=True, cuda_graphs="full", fused_mlp=True, optimizer="fp32", fp8_param=True,
-               name="Qwen3-235B GB200 26.06"),
+               pp_layout=even_layout(94, 8, 3), name="Qwen3-235B GB200 26.06"),
           1092, "recipe QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2: PP8/VP3, hybridep, a2a overlap, "
                 "full-iteration graphs, fused grouped MLP, FP8 attention", ("other model",)),
     # ---- 26.04.01 NeMo container (and the 26.04 rows whose recipe 26.04.01 changed): recipes at the release tags
@@ -363,24 +386,27 @@ POINTS: tuple[Point, ...] = (
           "QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1 @v0.4.2: EP16 over two nodes, hybridep, no graphs",
           ("small model", "EP over InfiniBand")),
     Point("qwen3-235b-gb300-260401", "MB-26.04.01 DGX-GB300", _Q235, "gb300", 256,
-          _MB_QW.replace(pp=4, vpp=12, ep=32, micro_batch=2, name="Qwen3-235B GB300 26.04.01"), 1029,
+          _MB_QW.replace(pp=4, vpp=12, ep=32, micro_batch=2, pp_layout=even_layout(94, 4, 12),
+                         name="Qwen3-235B GB300 26.04.01"), 1029,
           "QWEN3_235B_A22B_PRETRAIN_CONFIG_GB300_FP8_MX_V2 @v0.4.2: PP4/VP12, hybridep, no overlap, TE graphs of "
           "attn / moe_router / moe_preprocess", ("partial CUDA graphs", "no EP overlap")),
     Point("qwen3-235b-gb200-260401", "MB-26.04.01 DGX-GB200", _Q235, "gb200", 256,
-          _MB_QW.replace(pp=8, vpp=3, ep=32, name="Qwen3-235B GB200 26.04.01"), 840,
+          _MB_QW.replace(pp=8, vpp=3, ep=32, pp_layout=even_layout(94, 8, 3), name="Qwen3-235B GB200 26.04.01"), 840,
           "QWEN3_235B_A22B_PRETRAIN_CONFIG_GB200_FP8_MX_V2 @v0.4.2: PP8/VP3, hybridep, no overlap, TE graphs of "
           "attn / moe_router / moe_preprocess", ("partial CUDA graphs", "no EP overlap")),
     Point("qwen3-235b-b300-260401", "MB-26.04.01 DGX-B300", _Q235, "b300", 256,
-          _MB_QW.replace(pp=8, ep=8, micro_batch=2, cuda_graphs="none", name="Qwen3-235B B300 26.04.01"), 878,
+          _MB_QW.replace(pp=8, ep=8, micro_batch=2, cuda_graphs="none", pp_layout=even_layout(94, 8, 1),
+                         name="Qwen3-235B B300 26.04.01"), 878,
           "QWEN3_235B_A22B_PRETRAIN_CONFIG_B300_FP8_MX_V2 @v0.4.2: PP8, EP8, hybridep, no overlap, no graphs",
           ("HGX B300", "no CUDA graphs")),
     Point("qwen3-235b-b200-260401", "MB-26.04.01 DGX-B200", _Q235, "b200", 256,
-          _MB_QW.replace(pp=8, ep=8, dispatcher="alltoall", cuda_graphs="none", name="Qwen3-235B B200 26.04.01"),
+          _MB_QW.replace(pp=8, ep=8, dispatcher="alltoall", cuda_graphs="none", pp_layout=even_layout(94, 8, 1),
+                         name="Qwen3-235B B200 26.04.01"),
           560, "QWEN3_235B_A22B_PRETRAIN_CONFIG_B200_FP8_MX_V2 @v0.4.2: PP8, EP8, alltoall, no overlap, no graphs",
           ("HGX B200", "alltoall dispatcher")),
     Point("qwen3-235b-h100-260401", "MB-26.04.01 DGX-H100", _Q235, "h100", 256,
           _MB_QW.replace(tp=2, pp=8, vpp=4, ep=32, precision="fp8", dispatcher="alltoall", ep_overlap=True,
-                         cuda_graphs="none", name="Qwen3-235B H100 26.04.01"), 253,
+                         cuda_graphs="none", pp_layout=even_layout(94, 8, 4), name="Qwen3-235B H100 26.04.01"), 253,
           "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2 @v0.4.2: TP2/PP8/VP4/EP32, alltoall, EP overlap, no graphs",
           ("alltoall dispatcher", "combined 1F1B")),
     Point("dsv3-b300-2604", "MB-26.04 DGX-B300", _DS, "b300", 256,
@@ -395,7 +421,7 @@ POINTS: tuple[Point, ...] = (
           ("HGX B200", "PP16 x EP8")),
     Point("qwen3-235b-b300-2604", "MB-26.04 DGX-B300", _Q235, "b300", 256,
           _MB_QW.replace(pp=8, ep=8, micro_batch=2, dispatcher="alltoall", cuda_graphs="none",
-                         name="Qwen3-235B B300 26.04"), 720,
+                         pp_layout=even_layout(94, 8, 1), name="Qwen3-235B B300 26.04"), 720,
           "QWEN3_235B_A22B_PRETRAIN_CONFIG_B300_FP8_MX_V2 @v0.4.0: alltoall (26.04.01 moved it to hybridep: 720 -> "
           "878 TFLOP/s)", ("HGX B300", "alltoall dispatcher")),
     # ---- other frameworks and other published guides -----------------------------------------------------------
@@ -445,13 +471,14 @@ POINTS: tuple[Point, ...] = (
     Point("mlm-qwen3-235b-h100", "MLM-recipes H100", _Q235, "h100", 256,
           _MLM.replace(tp=2, pp=8, vpp=4, ep=32, global_batch=2048, precision="bf16", fp8_param=False,
                        recompute="selective", recompute_modules=("moe_act", "layernorm"), ep_overlap=True,
-                       cuda_graphs="partial", name="Qwen3-235B H100 MLM recipe"), 214.3,
+                       cuda_graphs="partial", pp_layout=even_layout(94, 8, 4), optimizer="fp32", dp_overlap=False,
+                       name="Qwen3-235B H100 MLM recipe"), 214.3,
           "qwen3_235b/h100/bf16_256GPU_TP2PP8EP32.yaml: HybridEP over InfiniBand, EP overlap, TE graphs of "
           "moe_router / moe_preprocess only (a plan's partial graphs take attention as graphed too)",
           ("BF16", "attention not graphed")),
     Point("mlm-qwen3-235b-b200", "MLM-recipes B200", _Q235, "b200", 128,
           _MLM.replace(tp=2, pp=4, vpp=12, ep=16, micro_batch=3, global_batch=3072, ep_overlap=True,
-                       cuda_graphs="none", name="Qwen3-235B B200 MLM recipe"), 633.9,
+                       cuda_graphs="none", pp_layout=even_layout(94, 4, 12), name="Qwen3-235B B200 MLM recipe"), 633.9,
           "qwen3_235b/b200/mxfp8_128GPU_TP2PP4EP16.yaml: DeepEP (20 SMs), EP overlap, no graphs, VPP12",
           ("HGX B200", "EP16 over two nodes", "DeepEP costed as flex")),
     Point("mlm-qwen3-235b-b300", "MLM-recipes B300", _Q235, "b300", 128,
@@ -486,17 +513,19 @@ POINTS: tuple[Point, ...] = (
           ("small model", "BF16")),
     Point("mlm-qwen3-30b-gb200-bf16", "MLM-recipes GB200", _Q30, "gb200", 16,
           _MLM.replace(ep=16, micro_batch=4, global_batch=512, precision="bf16", fp8_param=False,
-                       cuda_graphs="none", optimizer="fp32", name="Qwen3-30B GB200 BF16 MLM recipe"), 528,
+                       cuda_graphs="none", optimizer="fp32", dp_overlap=False,
+                       name="Qwen3-30B GB200 BF16 MLM recipe"), 528,
           "qwen3_30b/gb200/bf16_16GPU_TP1PP1EP16.yaml: BF16, HybridEP, no graphs, no EP overlap",
           ("small model", "BF16", "no graphs")),
     Point("mlm-qwen3-30b-gb200-partial", "MLM-recipes GB200", _Q30, "gb200", 16,
           _MLM.replace(ep=16, micro_batch=4, global_batch=512, fp8_param=False, cuda_graphs="partial",
-                       optimizer="fp32", name="Qwen3-30B GB200 MXFP8 MLM recipe, partial graphs"), 514,
+                       optimizer="fp32", dp_overlap=False,
+                       name="Qwen3-30B GB200 MXFP8 MLM recipe, partial graphs"), 514,
           "qwen3_30b/gb200/mxfp8_16GPU_TP1PP1EP16_partial_cg.yaml: MXFP8, TE graphs of attn / moe_router / "
           "moe_preprocess: published slower than the BF16 recipe without graphs", ("small model", "MXFP8")),
     Point("mlm-qwen3-30b-gb200-fullcg", "MLM-recipes GB200", _Q30, "gb200", 16,
           _MLM.replace(ep=16, micro_batch=4, global_batch=512, fp8_param=False, cuda_graphs="full", fused_mlp=True,
-                       optimizer="fp32", name="Qwen3-30B GB200 MXFP8 MLM recipe, full graphs"), 646.8,
+                       optimizer="fp32", dp_overlap=False, name="Qwen3-30B GB200 MXFP8 MLM recipe, full graphs"), 646.8,
           "qwen3_30b/gb200/mxfp8_16GPU_TP1PP1EP16_paged_stash.yaml: MXFP8, paged stash, full-iteration graphs, "
           "fused grouped MLP", ("small model", "full graphs")),
 )
