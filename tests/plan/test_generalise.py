@@ -296,6 +296,11 @@ def test_validation_set_and_report(capsys):
     rel = d["summary"]["by_release"]
     assert sum(b["points"] for b in rel.values()) == len(validation.POINTS) and "26.06" in rel
     assert {p.release for p in validation.POINTS} == set(rel)
+    # and so does each grouping of "where the error is"
+    for name, groups in d["summary"]["by_group"].items():
+        assert sum(b["points"] for b in groups.values()) == len(validation.POINTS), name
+    assert set(d["summary"]["by_group"]["cuda_graphs"]) == {"full", "partial", "none"}
+    assert set(d["summary"]["by_group"]["host"]) == {"x86", "grace"}
 
 
 @pytest.mark.xfail(strict=True, reason="validation MAE ~24% over 61 points (goal 12%; 8% on GB300, 13% with "

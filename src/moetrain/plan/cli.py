@@ -317,6 +317,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if b["mae"] is not None:
                 print(f"release {rel}: {b['predicted']} of {b['points']} points, MAE {b['mae']:.1%}, largest "
                       f"{b['max_abs_error']:.1%}, mean signed {b['mean_signed_error']:+.1%}")
+        for name, groups in summ["by_group"].items():
+            print(f"by {name.replace('_', ' ')}: " + "; ".join(
+                f"{g} {b['predicted']} points MAE {b['mae']:.1%} (signed {b['mean_signed_error']:+.1%})"
+                for g, b in groups.items() if b["mae"] is not None))
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")

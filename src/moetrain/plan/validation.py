@@ -574,6 +574,29 @@ def by_release(rows: list[Row]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Points, MAE and mean signed error grouped three ways -- by CUDA-graph coverage, by host CPU (x86 on HGX /
+    DGX boards, Grace on NVL72) and by model -- the groupings that show where the error is (docs/validation.md,
+    "Where the error is"). Rows without a prediction are left out of the errors, counted in ``points``."""
+    from moetrain.plan.hardware import get_gpu
+
+    keys = {"cuda_graphs": lambda pt: pt.plan.resolved_cuda_graphs,
+            "host": lambda pt: get_gpu(pt.gpu).host_cpu or "x86",
+            "model": lambda pt: pt.model}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, key in keys.items():
+        groups: dict[str, list[Row]] = {}
+        for r in rows:
+            groups.setdefault(key(r.point), []).append(r)
+        out[name] = {}
+        for g, rs in sorted(groups.items()):
+            errs = [r.error for r in rs if r.error is not None]
+            out[name][g] = {"points": len(rs), "predicted": len(errs),
+                            "mae": sum(abs(e) for e in errs) / len(errs) if errs else None,
+                            "mean_signed_error": sum(errs) / len(errs) if errs else None}
+    return out
+
+
 def summary(rows: list[Row]) -> dict[str, Any]:
     """Mean absolute error, largest error and the goal checks over the rows that have a prediction."""
     errs = [abs(r.error) for r in rows if r.error is not None]
@@ -582,7 +605,7 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     clean = [abs(r.error) for r in rows if r.error is not None and not r.point.inconsistent]
     return {"points": len(rows), "predicted": len(errs), "mae": mae, "max_abs_error": worst,
             "mae_consistent_rows": sum(clean) / len(clean) if clean else None,
-            "by_release": by_release(rows),
+            "by_release": by_release(rows), "by_group": by_group(rows),
             "mean_signed_error": (sum(r.error for r in rows if r.error is not None) / len(errs)) if errs else None,
             "mae_goal": MAE_GOAL, "max_goal": MAX_GOAL,
             "goal_met": bool(errs) and len(errs) == len(rows) and mae <= MAE_GOAL and worst <= MAX_GOAL}
