@@ -135,10 +135,13 @@ def compare_table(a: Prediction, b: Prediction, label_a: str, label_b: str):
     def per_mtok(p: Prediction, v: float) -> float:
         return v / (p.plan.tokens_per_step / p.n_gpus) * 1e6
 
+    def signed(x: float) -> str:
+        return f"{x:+.3f}" if round(x, 3) else "0.000"  # no "-0.000" for a difference that rounds away
+
     for k in ra:
         va, vb = per_mtok(a, ra[k]), per_mtok(b, rb.get(k, 0.0))
         t.add_row(k, f"{va:.3f}", f"{ra[k] / a.step.step:.1%}", f"{vb:.3f}", f"{rb.get(k, 0.0) / b.step.step:.1%}",
-                  f"{va - vb:+.3f}")
+                  signed(va - vb))
     t.add_row("step", f"{per_mtok(a, a.step.step):.3f}", "", f"{per_mtok(b, b.step.step):.3f}", "",
               f"{per_mtok(a, a.step.step) - per_mtok(b, b.step.step):+.3f}")
     t.add_row("TFLOP/s per GPU", f"{a.tflops_per_gpu:,.0f}", "", f"{b.tflops_per_gpu:,.0f}", "", "")
