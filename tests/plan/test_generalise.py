@@ -12,19 +12,22 @@ import pytest
 from moetrain.plan import Plan, PlanError, predict
 from moetrain.plan import validation
 from moetrain.plan.cli import main as plan_main
-from moetrain.plan.hardware import get_gpu
+from moetrain.plan.hardware import GPUSpec, get_gpu
 from moetrain.plan.model import _Ctx, a2a_rows
 from moetrain.plan.constants import efficiency_for
 from moetrain.plan.plan import RECOMPUTE_MODULES, validate
 from moetrain.plan.records import RECORDS
 from moetrain.plan.search import search
-from moetrain.plan.shape import load_shape
+from moetrain.plan.shape import ModelShape, load_shape
 
 DS = "deepseek-v3-671b"
 
 
-def _ctx(plan: Plan, gpu: str = "h100", n: int = 1024) -> _Ctx:
-    shape, spec = load_shape(DS), get_gpu(gpu)
+def _ctx(plan: Plan, gpu: str | GPUSpec = "h100", n: int = 1024, shape: ModelShape | None = None) -> _Ctx:
+    """The model's context for ``plan`` on ``n`` GPUs (a catalogue name or a spec) of ``shape`` (default
+    DeepSeek-V3)."""
+    shape = shape or load_shape(DS)
+    spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = plan.replace(imbalance=1.2) if plan.routing == "real" else plan
     return _Ctx(shape, spec, validate(plan, shape, spec, n), efficiency_for(spec.generation))
 
@@ -103,7 +106,7 @@ def test_host_cost_follows_the_host_cpu_and_the_local_experts():
     # the same eager step on a Grace host (GB200 NVL72) costs more host time than on an x86 one; an eager grouped
     # GEMM launches its kernels once per local expert, so fewer EP ranks (more experts each) mean more launches
     from moetrain.plan.hardware import with_overrides
-    from moetrain.plan.model import host_launch_s
+    from moetrain.plan.model import host_launch
 
     p = Plan(ep=8, micro_batch=1, global_batch=8, seq_len=1024, precision="bf16", cuda_graphs="partial")
     shape, grace = load_shape("deepseek-v2-lite-16b"), get_gpu("gb200")
@@ -111,7 +114,7 @@ def test_host_cost_follows_the_host_cpu_and_the_local_experts():
     x86 = with_overrides(grace, host_cpu="x86")
 
     def host(spec, plan, n=8):
-        return host_launch_s(_Ctx(shape, spec, validate(plan, shape, spec, n), efficiency_for(spec.generation)), "t")
+        return host_launch(_ctx(plan, spec, n, shape), "t").total
 
     assert host(grace, p) > host(x86, p) > 0.0
     assert host(x86, p.replace(ep=4, global_batch=8)) > host(x86, p)
@@ -202,7 +205,7 @@ def test_gemm_passes_by_contraction_length():
 
 def test_fused_grouped_mlp_is_a_recipe_input(capsys):
     from moetrain.plan.constants import ELEMENTWISE_BWD_TO_FWD
-    from moetrain.plan.model import host_launch_s, item_cost
+    from moetrain.plan.model import host_launch, item_cost
 
     base = RECORDS["gb300"].plan
     assert base.fused_mlp and "fused-mlp" in base.short()
@@ -216,7 +219,7 @@ def test_fused_grouped_mlp_is_a_recipe_input(capsys):
     g = get_gpu("gb200")
 
     def host(plan):
-        return host_launch_s(_Ctx(shape, g, validate(plan, shape, g, 32), efficiency_for("blackwell")), "t")
+        return host_launch(_ctx(plan, g, 32, shape), "t").total
 
     assert host(eager) > host(eager.replace(fused_mlp=True)) > 0.0   # no per-expert launches when fused
     assert predict(DS, "gb300", 256, base).tflops_per_gpu > predict(DS, "gb300", 256, unfused).tflops_per_gpu
@@ -335,7 +338,7 @@ def test_qk_norm_charges_one_more_pass_over_q_and_k():
     plan, g = Plan(ep=8, global_batch=64, precision="mxfp8"), get_gpu("gb300")
 
     def mem(shape):
-        c = _Ctx(shape, g, validate(plan, shape, g, 8), efficiency_for("blackwell"))
+        c = _ctx(plan, g, 8, shape)
         return c, item_cost(c, "t").mem_s
 
     c, m_norm = mem(with_norm)
@@ -390,7 +393,7 @@ def test_alltoall_dispatcher_pays_its_second_permute():
     plan = Plan(pp=8, ep=8, global_batch=4096, precision="mxfp8", routing="balanced")
 
     def mem(dispatcher):
-        c = _Ctx(shape, g, validate(plan.replace(dispatcher=dispatcher), shape, g, 256), efficiency_for("blackwell"))
+        c = _ctx(plan.replace(dispatcher=dispatcher), g, 256, shape)
         return c, item_cost(c, "t").mem_s
 
     c, m_a2a = mem("alltoall")

@@ -663,11 +663,6 @@ def host_launch(c: _Ctx, kind: str) -> HostLaunch:
                       backward=bwd_kernels * per_op + exp_bwd)
 
 
-def host_launch_s(c: _Ctx, kind: str) -> float:
-    """Total host launch time of one item for one micro-batch, forward and backward (:func:`host_launch`)."""
-    return host_launch(c, kind).total
-
-
 def exposed_host_s(cost: ItemCost, hl: HostLaunch, overlap: bool, resync: bool = False) -> float:
     """GPU time an item waits for the host to launch its kernels, for one micro-batch.
 

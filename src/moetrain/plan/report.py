@@ -143,7 +143,7 @@ def compare_table(a: Prediction, b: Prediction, label_a: str, label_b: str):
         t.add_row(k, f"{va:.3f}", f"{ra[k] / a.step.step:.1%}", f"{vb:.3f}", f"{rb.get(k, 0.0) / b.step.step:.1%}",
                   signed(va - vb))
     t.add_row("step", f"{per_mtok(a, a.step.step):.3f}", "", f"{per_mtok(b, b.step.step):.3f}", "",
-              f"{per_mtok(a, a.step.step) - per_mtok(b, b.step.step):+.3f}")
+              signed(per_mtok(a, a.step.step) - per_mtok(b, b.step.step)))
     t.add_row("TFLOP/s per GPU", f"{a.tflops_per_gpu:,.0f}", "", f"{b.tflops_per_gpu:,.0f}", "", "")
     return t
 
