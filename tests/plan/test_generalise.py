@@ -123,14 +123,15 @@ def test_host_cost_follows_the_host_cpu_and_the_local_experts():
 
 def test_sustained_tensor_rate_per_sku():
     # Where one harness measured two SKUs of a generation under load, the slower one sustains its measured share
-    # of the other (sourced in the catalogue); HGX B200 from its own measurement; the rest take the generation's
-    # figure
+    # of the other (sourced in the catalogue); HGX B200 from its own measurement, HGX B300 the same (one harness
+    # measures the two SKUs' GEMMs within 2.3%); the rest take the generation's figure
     from moetrain.plan.hardware import CATALOGUE, with_overrides
 
-    b200, gb200 = get_gpu("b200"), get_gpu("gb200")
+    b200, b300, gb200 = get_gpu("b200"), get_gpu("b300"), get_gpu("gb200")
     assert b200.tensor_sustain < 1.0 and "#1747" in b200.source
+    assert b300.tensor_sustain == b200.tensor_sustain and "MAMF" in b300.source
     assert gb200.tensor_sustain == pytest.approx(2906.9 / 3308.5, abs=1e-3) and "Azure" in gb200.source
-    assert all(g.tensor_sustain == 1.0 for k, g in CATALOGUE.items() if k not in ("b200", "gb200"))
+    assert all(g.tensor_sustain == 1.0 for k, g in CATALOGUE.items() if k not in ("b200", "b300", "gb200"))
     p = next(pt.plan for pt in validation.POINTS if pt.key == "dsv3-b200-gbs4096")
     slow = predict(DS, b200, 256, p)
     full = predict(DS, with_overrides(b200, tensor_sustain=1.0), 256, p)
