@@ -123,13 +123,17 @@ def test_host_cost_follows_the_host_cpu_and_the_local_experts():
 
 def test_sustained_tensor_rate_per_sku():
     # Where one harness measured two SKUs of a generation under load, the slower one sustains its measured share
-    # of the other (sourced in the catalogue); HGX B200 from its own measurement, HGX B300 the same (one harness
-    # measures the two SKUs' GEMMs within 2.3%); the rest take the generation's figure
+    # of the other (sourced in the catalogue); HGX B200 from its own measurement; HGX B300, unmeasured under load,
+    # its HGX sibling's rate times their power limits; the rest take the generation's figure
     from moetrain.plan.hardware import CATALOGUE, with_overrides
 
     b200, b300, gb200 = get_gpu("b200"), get_gpu("b300"), get_gpu("gb200")
     assert b200.tensor_sustain < 1.0 and "#1747" in b200.source
-    assert b300.tensor_sustain == b200.tensor_sustain and "MAMF" in b300.source
+    assert b300.tensor_sustain == pytest.approx(b200.tensor_sustain * b300.power_w / b200.power_w, abs=1e-3)
+    # the power-limit rule B300 relies on, against the SKUs that were measured: GB200 / GB300 and H200 / H100
+    gb300, h100, h200 = get_gpu("gb300"), get_gpu("h100"), get_gpu("h200")
+    assert gb200.tensor_sustain / gb300.tensor_sustain == pytest.approx(gb200.power_w / gb300.power_w, rel=0.03)
+    assert h200.tensor_sustain / h100.tensor_sustain == pytest.approx(h200.power_w / h100.power_w, rel=0.01)
     assert gb200.tensor_sustain == pytest.approx(2906.9 / 3308.5, abs=1e-3) and "Azure" in gb200.source
     assert all(g.tensor_sustain == 1.0 for k, g in CATALOGUE.items() if k not in ("b200", "b300", "gb200"))
     p = next(pt.plan for pt in validation.POINTS if pt.key == "dsv3-b200-gbs4096")

@@ -178,11 +178,13 @@ _DS = "vendor datasheet (docs/reference.md section 5; dense peaks, NVLink halved
 #: own GB200 re-run, 2,819.5, would give 0.852; part of the gap may be the CUDA version). H100 and H200 in the
 #: same file set, both on CUDA 12.6: 1,377.3 and 1,366.3 -- the same within 1%, so H200 keeps 1.0. An HGX B200
 #: has no row there; TransformerEngine issue #1747 measures an FP8 te.Linear (quantisation included) at 8,192^3
-#: at 2,377 TFLOP/s on one, 0.755 of 0.70 x 4.5 PF (FBGEMM PR #4197 shows the same power-cap gap). HGX B300 has the
-#: same datasheet peaks as HGX B200 and one harness measured both alike: the Maximum Achievable Matmul FLOPS table
-#: (stas00/ml-engineering b9e2972, compute/accelerator/README.md; best shape of a brute-force search, 100
-#: iterations) gives B300 SXM 1,769.0 BF16 / 3,353.3 FP8 TFLOP/s against B200 SXM's 1,745.0 / 3,432.5 (1.01 /
-#: 0.98), so HGX B300 takes HGX B200's 0.755. H800 is H100's die at the same 700 W: 1.0.
+#: at 2,377 TFLOP/s on one, 0.755 of 0.70 x 4.5 PF (FBGEMM PR #4197 shows the same power-cap gap). HGX B300 has no
+#: measurement under load. Where parts share a datasheet peak, what they sustain follows their power limits: GB200
+#: measures 0.879 of GB300 where 1,200 / 1,400 W gives 0.857; H200 measures H100's rate at the same 700 W. A short
+#: run, before the power limit binds, cannot tell HGX B300 from HGX B200: the Maximum Achievable Matmul FLOPS table
+#: (stas00/ml-engineering b9e2972, compute/accelerator/README.md; 100 iterations of the best shape) gives B300 SXM
+#: 1,769.0 BF16 / 3,353.3 FP8 TFLOP/s, B200 SXM 1,745.0 / 3,432.5. So HGX B300 takes its HGX sibling's measured
+#: 0.755 times their power limits, 1,100 / 1,000 W: 0.83. H800 is H100's die at the same 700 W: 1.0.
 #: Host CPUs (``host_cpu``): HGX / DGX boards have x86 hosts, GB200 / GB300 NVL72 trays Arm Grace CPUs, on which
 #: the same eager PyTorch call takes 2.75x the host time (TransformerEngine issue #2053; constants.HOST_S_PER_OP).
 CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
@@ -197,9 +199,10 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
          "on FP8 GEMMs)", sm=148, power=1000, sustain=0.755),
     _gpu("b300", "blackwell", 2250, 4500, 13500, 75, 288, 8.0, 1800, 8, 800, 10.7,
          "vendor datasheet (HGX B300; docs/reference.md section 12): dense BF16 2.25 PF, FP8 4.5 PF, FP4 13.5 PF, "
-         "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s; sustained tensor rate HGX B200's 0.755: "
-         "ml-engineering's MAMF table measures B300 SXM and B200 SXM GEMMs within 2.3% (BF16 1,769 / 1,745, FP8 "
-         "3,353 / 3,433 TFLOP/s)", sm=160, power=1100, sustain=0.755),
+         "288 GB HBM3e 8 TB/s, NVLink 5 1.8 TB/s, ConnectX-8 800 Gb/s; sustained tensor rate 0.83: HGX B200's "
+         "measured 0.755 times the power limits 1,100 / 1,000 W (same datasheet peaks; short MAMF runs measure the two "
+         "SKUs' GEMMs alike, the power limit is what differs under load)", sm=160, power=1100,
+         sustain=round(0.755 * 1100 / 1000, 3)),
     _gpu("gb200", "blackwell", 2500, 5000, 10000, 80, 186, 8.0, 1800, 72, 400, 5.0,
          _DS + "; GB200 NVL72; sustained tensor rate 0.879 of GB300's (Azure AI benchmarking guide, cuBLASLt FP8 "
          "16,384^3 after 10,000 warm-up iterations: 2,906.9 against 3,308.5 TFLOP/s)", sm=148, power=1200,
