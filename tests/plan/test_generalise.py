@@ -311,7 +311,7 @@ def test_validation_set_and_report(capsys):
     assert set(d["summary"]["by_group"]["host"]) == {"x86", "grace"}
 
 
-@pytest.mark.xfail(strict=True, reason="validation MAE ~24% over 61 points (goal 12%; 8% on GB300, 13% with "
+@pytest.mark.xfail(strict=True, reason="validation MAE ~22% over 61 points (goal 12%; 8% on GB300, 12% with "
                    "whole-iteration CUDA graphs): over-predicted most where runs are launched eagerly, on x86 hosts "
                    "and for the smaller models -- host-bound execution under-charged; see docs/validation.md")
 def test_validation_goal():
