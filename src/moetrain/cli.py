@@ -293,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"moetrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        from moetrain.plan.cli import quiet_broken_pipe
+
+        quiet_broken_pipe()
+        return 0
     except RuntimeError as e:
         if args.command != "train":
             raise

@@ -229,12 +229,13 @@ def test_fused_grouped_mlp_is_a_recipe_input(capsys):
     assert host(eager) > host(eager.replace(fused_mlp=True)) > 0.0   # no per-expert launches when fused
     assert predict(DS, "gb300", 256, base).tflops_per_gpu > predict(DS, "gb300", 256, unfused).tflops_per_gpu
     # another framework's recipe does not inherit the kernel
-    assert plan_main(["--record", "gb300", "--framework", "moetrain", "--json"]) == 0
+    bf16 = ["--precision", "bf16", "--attn-precision", "bf16"]  # what moetrain's trainer runs
+    assert plan_main(["--record", "gb300", "--framework", "moetrain", *bf16, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["fused_mlp"] is False
     assert plan_main(["--record", "gb200", "--no-fused-mlp", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["fused_mlp"] is False
     # refused where the kernel does not exist: another framework, or a GPU that is not Blackwell
-    assert plan_main(["--record", "gb300", "--framework", "moetrain", "--fused-mlp"]) == 2
+    assert plan_main(["--record", "gb300", "--framework", "moetrain", *bf16, "--fused-mlp"]) == 2
     assert "fused_mlp" in capsys.readouterr().err
     with pytest.raises(PlanError, match="Blackwell"):
         predict(DS, "h100", 1024, RECORDS["h100"].plan.replace(fused_mlp=True))

@@ -63,8 +63,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute", choices=RECOMPUTE)
     g.add_argument("--recompute-modules", help=f"comma list of Megatron's names {list(RECOMPUTE_MODULES)} (with "
                    "--recompute selective)")
-    g.add_argument("--ep-overlap", dest="ep_overlap", action="store_true", default=None)
-    g.add_argument("--no-ep-overlap", dest="ep_overlap", action="store_false")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--ep-overlap", dest="ep_overlap", action="store_true", default=None)
+    x.add_argument("--no-ep-overlap", dest="ep_overlap", action="store_false")
     g.add_argument("--routing", choices=ROUTING)
     g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
     g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
@@ -85,10 +86,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-dp-overlap", dest="dp_overlap", action="store_false", default=None)
     g.add_argument("--fsdp", dest="fsdp", action="store_true", default=None,
                    help="FSDP2 / ZeRO-3: parameters gathered for every micro-batch (as `moetrain train` does)")
-    g.add_argument("--fused-mlp", dest="fused_mlp", action="store_true", default=None,
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--fused-mlp", dest="fused_mlp", action="store_true", default=None,
                    help="the routed experts as one fused grouped-MLP kernel (GEMM + SwiGLU + quantisation; "
                    "Megatron-Bridge cutedsl_fused_grouped_mlp, as the 26.06 record recipes)")
-    g.add_argument("--no-fused-mlp", dest="fused_mlp", action="store_false", default=None)
+    x.add_argument("--no-fused-mlp", dest="fused_mlp", action="store_false", default=None)
     g = p.add_argument_group("what to do")
     g.add_argument("--records", action="store_true", help="predict every published row of docs/reference.md section 4 "
                    "and compare (takes no plan flags: each row is predicted with its own plan)")
@@ -148,16 +150,21 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
         gpu = with_overrides(gpu, nic_gbps=args.nic_gbit / 8)
     if args.nvlink_domain is not None:
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
-    n = args.gpus or (rec.n_gpus if rec else gpu.host_procs if local else 256)
+    n = args.gpus if args.gpus is not None else (rec.n_gpus if rec else gpu.host_procs if local else 256)
     plan = rec.plan if rec else _trainer_plan(shape, n, args) if local else Plan()
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)
-        if v is not None:
+        if v is not None and not (flag == "framework" and args.search):
             changes[field] = v
     if args.recompute_modules:
+        if args.recompute in ("full", "none"):
+            raise ValueError(f"--recompute-modules names the modules of --recompute selective; with --recompute "
+                             f"{args.recompute} drop --recompute-modules (or use --recompute selective)")
         changes["recompute_modules"] = tuple(x.strip() for x in args.recompute_modules.split(",") if x.strip())
         changes.setdefault("recompute", "selective")
+    elif args.recompute in ("full", "none"):
+        changes["recompute_modules"] = None
     for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp"):
         if getattr(args, f, None) is not None:
             changes[f] = getattr(args, f)
@@ -229,10 +236,39 @@ def _emit_json(obj: Any, args: argparse.Namespace) -> None:
         print(text)
 
 
+_PNG_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Input errors that need no model: one mode at a time, positive counts, a chart path matplotlib can write.
+    Raises ValueError naming the flag and the fix."""
+    from pathlib import Path
+
+    modes = [m for m, on in (("--records", args.records), ("--validate", args.validate),
+                             ("--compare", args.compare), ("--search", args.search), ("--scale", args.scale)) if on]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} are separate modes; give one of them per run")
+    for flag, v, low in (("--gpus", args.gpus, 1), ("--top", args.top, 1), ("--nvlink-domain", args.nvlink_domain, 1)):
+        if v is not None and v < low:
+            raise ValueError(f"{flag} {v}: must be >= {low}")
+    for flag, v in (("--nic-gbit", args.nic_gbit), ("--tokens", args.tokens), ("--imbalance", args.imbalance)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{flag} {v:g}: must be > 0")
+    if args.png:
+        out = Path(args.png)
+        if out.is_dir():
+            raise ValueError(f"--png {args.png} is a directory; give a file name, e.g. {out / 'plan.png'}")
+        if out.suffix == "":
+            args.png = str(out.with_suffix(".png"))
+        elif out.suffix.lower() not in _PNG_SUFFIXES:
+            raise ValueError(f"--png {args.png}: unknown image type {out.suffix!r}; use one of {list(_PNG_SUFFIXES)}")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from moetrain.plan import report
 
     try:
+        _check_args(args)
         if args.records or args.validate:
             _refuse_flags(args, "--records" if args.records else "--validate")
             return _cmd_records(args) if args.records else _cmd_validate(args)
@@ -243,10 +279,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if (args.scale or args.search) and gpu.host_procs is not None:
             raise ValueError("--search and --scale plan GPU clusters; on --gpu local predict one run (the trainer "
                              "runs data + expert parallelism only), e.g. `moetrain plan --gpu local --ep 1`")
+        if args.scale or args.search:
+            # the plan the search starts from (or the scale keeps) must be valid: an invalid one is an input error,
+            # not a baseline to drop
+            from moetrain.plan.plan import validate
+
+            validate(plan.replace(dp=None), shape, gpu, n)
         if args.scale:
             return _cmd_scale(args, shape, gpu, n, plan)
         if args.search:
             return _cmd_search(args, shape, gpu, n, plan, rec)
+        if args.framework:
+            from moetrain.plan.search import framework_conflicts
+
+            bad = framework_conflicts(plan, plan.framework)
+            if bad:
+                raise ValueError(f"--framework {plan.framework} does not run this plan: {'; '.join(bad)}; change "
+                                 f"those settings, or drop --framework to cost the plan as "
+                                 f"{rec.plan.framework if rec else 'megatron'} runs it")
         if gpu.generation == "cpu":
             from moetrain.plan.local import predict_measured
 
@@ -256,11 +306,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (PlanError, HardwareError, ShapeError, ValueError, KeyError) as e:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2
+    overrides = _overrides(args, rec) if rec else []
     if args.json or args.json_out:
-        _emit_json(pred, args)
-    overrides = _overrides(args) if rec else []
-    if args.json or args.json_out:
-        pass
+        out: Any = pred
+        if rec:
+            out = {**pred.to_dict(), "record": {
+                "key": rec.key, "source": rec.source, "published_tflops_per_gpu": rec.tflops_per_gpu,
+                "error": pred.tflops_per_gpu / rec.tflops_per_gpu - 1 if pred.fits else None,
+                "overrides": overrides, "band": None if overrides else list(rec.band),
+                "in_band": None if overrides else bool(pred.fits and rec.in_band(pred.tflops_per_gpu))}}
+        _emit_json(out, args)
     if not args.json:
         report.print_prediction(pred, rec, overrides=overrides)
     if args.png:
@@ -270,14 +325,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if pred.fits else 3
 
 
-def _overrides(args: argparse.Namespace) -> list[str]:
-    """The flags given on top of ``--record`` (what makes this plan differ from the published one)."""
-    out = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag, _, _ in _PLAN_FLAGS
-           if getattr(args, flag, None) is not None]
+def _overrides(args: argparse.Namespace, rec: Record | None = None) -> list[str]:
+    """The flags given on top of ``--record`` whose value differs from the record's (what makes this plan differ
+    from the published one; a flag that repeats the record's own value is not an override). Without ``rec``:
+    every plan or cluster flag given."""
+    own: dict[str, Any] = {}
+    if rec is not None:
+        own = {f: getattr(rec.plan, f) for f in Plan.__dataclass_fields__}
+        own.update(gpus=rec.n_gpus, gpu=rec.gpu, model=rec.model,
+                   recompute_modules=",".join(rec.plan.recompute_modules or ()) or None)
+    out = []
+    for flag, field, _ in _PLAN_FLAGS:
+        v = getattr(args, flag, None)
+        if v is not None and (field not in own or own[field] != v):
+            out.append(f"--{flag.replace('_', '-')} {v}")
     for f in ("recompute_modules", "ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp", "gpus", "gpu",
-              "model", "nic_gbit", "nvlink_domain"):
+              "model", "nic_gbit", "nvlink_domain", "gpu_file"):
         v = getattr(args, f, None)
-        if v is not None and v != []:
+        if v is not None and v != [] and (f not in own or own[f] != v):
             out.append(f"--{f.replace('_', '-')} {v}")
     return out
 
@@ -288,9 +353,10 @@ def _refuse_flags(args: argparse.Namespace, mode: str) -> None:
     given = [o.split()[0] for o in _overrides(args)]
     if args.record:
         given.append("--record")
-    for f in ("search", "scale"):
-        if getattr(args, f, None):
-            given.append(f"--{f}")
+    if args.any_framework:
+        given.append("--any-framework")
+    defaults = {"top": 10, "tokens": 14.8e12, "scale_mode": "search", "scale_batch": "fixed"}
+    given += [f"--{k.replace('_', '-')}" for k, d in defaults.items() if getattr(args, k) != d]
     if given:
         raise ValueError(f"{mode} predicts each published row with its own plan and would ignore "
                          f"{', '.join(sorted(set(given)))}; drop them, or use --record KEY with overrides")
@@ -391,6 +457,8 @@ def _cmd_records(args: argparse.Namespace) -> int:
         report.plot_breakdown([p for _, p in rows], args.png,
                               labels=[f"{r.n_gpus} {r.gpu.upper()} ({r.source})" for r, _ in rows],
                               published=[r.tflops_per_gpu for r, _ in rows])
+        if not args.json:
+            print(f"chart: {args.png}")
     return 0
 
 
@@ -398,7 +466,7 @@ def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pl
     from moetrain.plan import report
     from moetrain.plan.search import search
 
-    res = search(shape, gpu, n, plan, framework=None if args.any_framework else "plan")
+    res = search(shape, gpu, n, plan, framework=None if args.any_framework else (args.framework or "plan"))
     if args.json or args.json_out:
         _emit_json(res, args)
     if not args.json:
@@ -408,6 +476,8 @@ def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pl
         preds = ([res.baseline] if res.baseline is not None else []) + ranked
         labels = (["baseline"] if res.baseline is not None else []) + [f"#{i}" for i in range(1, len(ranked) + 1)]
         report.plot_breakdown(preds, args.png, labels=labels)
+        if not args.json:
+            print(f"chart: {args.png}")
     return 0 if res.best is not None else 3
 
 
@@ -426,6 +496,11 @@ def _cmd_scale(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pla
         report.plot_scale(pts, args.png, args.tokens,
                           title=f"{shape.name} on {gpu.name.upper()}: global batch {plan.global_batch} x "
                                 f"{plan.seq_len} ({args.scale_batch}), plan {args.scale_mode}")
+        if not args.json:
+            print(f"chart: {args.png}")
+    if not any(pt.prediction is not None and pt.prediction.fits for pt in pts):
+        print("moetrain plan: no GPU count has a valid plan that fits (each row says why)", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -455,5 +530,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         argv = ["plan"] + argv
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return 0
+
+
+def quiet_broken_pipe() -> None:
+    """A reader that stops early (``| head``) closes stdout: exit quietly, not with a traceback."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 

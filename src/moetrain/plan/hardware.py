@@ -214,7 +214,8 @@ CATALOGUE: dict[str, GPUSpec] = {g.name: g for g in (
 _ALIASES = {"h100-sxm": "h100", "h800-sxm": "h800", "h200-sxm": "h200", "gb200-nvl72": "gb200",
             "gb300-nvl72": "gb300", "gb200nvl72": "gb200", "gb300nvl72": "gb300"}
 
-#: User-registered entries (``register_gpu`` / ``load_gpu_file``), looked up after the catalogue.
+#: User-registered entries (``register_gpu`` / ``load_gpu_file``), looked up before the catalogue: an entry named
+#: like a catalogue GPU replaces it (a what-if on a known part).
 _USER: dict[str, GPUSpec] = {}
 
 
@@ -273,15 +274,25 @@ def gpu_from_dict(d: dict[str, Any], name: str | None = None) -> GPUSpec:
     Raises:
         HardwareError: a required key is missing or a value is invalid.
     """
+    if not isinstance(d, dict):
+        raise HardwareError(f"GPU entry {name or '(unnamed)'!r}: expected a table of keys (generation, peak_tflops, "
+                            f"hbm_gb, ...), got {type(d).__name__} {d!r}")
     d = dict(d)
     nm = (name or d.pop("name", None))
     d.pop("name", None)
     if not nm:
         raise HardwareError("a user GPU entry needs a name")
+
+    def num(key: str) -> float:
+        try:
+            return float(d.pop(key))
+        except (TypeError, ValueError):
+            raise HardwareError(f"GPU entry {nm!r}: {key} must be a number") from None
+
     if "nvlink_gbps_bidir" in d:
-        d["nvlink_gbps"] = float(d.pop("nvlink_gbps_bidir")) / 2
+        d["nvlink_gbps"] = num("nvlink_gbps_bidir") / 2
     if "nic_gbit" in d:
-        d["nic_gbps"] = float(d.pop("nic_gbit")) / 8
+        d["nic_gbps"] = num("nic_gbit") / 8
     required = ("generation", "peak_tflops", "hbm_gb", "hbm_tbps", "nvlink_gbps", "nvlink_domain", "nic_gbps")
     missing = [k for k in required if k not in d]
     if missing:
@@ -293,7 +304,11 @@ def gpu_from_dict(d: dict[str, Any], name: str | None = None) -> GPUSpec:
         raise HardwareError(f"GPU entry {nm!r}: unknown key(s) {unknown}; allowed: {sorted(known)}")
     if not isinstance(d["peak_tflops"], dict):
         raise HardwareError(f"GPU entry {nm!r}: peak_tflops must be a table like {{bf16 = 989, fp8 = 1979}}")
-    d["peak_tflops"] = {str(k).lower(): float(v) for k, v in d["peak_tflops"].items()}
+    try:
+        d["peak_tflops"] = {str(k).lower(): float(v) for k, v in d["peak_tflops"].items()}
+    except (TypeError, ValueError):
+        raise HardwareError(f"GPU entry {nm!r}: peak_tflops values must be numbers (TFLOP/s), got "
+                            f"{d['peak_tflops']!r}") from None
     if d["generation"] == "blackwell" and "fp8" in d["peak_tflops"]:
         d["peak_tflops"].setdefault("mxfp8", d["peak_tflops"]["fp8"])
     if "matmul_curve" in d:
@@ -304,7 +319,8 @@ def gpu_from_dict(d: dict[str, Any], name: str | None = None) -> GPUSpec:
     except HardwareError:
         raise  # already names the GPU
     except (TypeError, ValueError) as e:
-        raise HardwareError(f"GPU entry {nm!r}: {e}") from None
+        raise HardwareError(f"GPU entry {nm!r}: a value has the wrong type ({e}); numbers are plain numbers, "
+                            f"generation a string") from None
 
 
 def load_gpu_file(path: str | os.PathLike) -> list[GPUSpec]:

@@ -494,7 +494,7 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
     if plan.fused_mlp and (plan.framework != "megatron" or gpu.generation != "blackwell"):
         raise PlanError(f"fused_mlp: the fused grouped-MLP kernel (Megatron-Bridge cutedsl_fused_grouped_mlp) is a "
                         f"Megatron kernel for Blackwell GPUs; this plan is framework {plan.framework!r} on "
-                        f"{gpu.name} ({gpu.generation}); drop --fused-mlp")
+                        f"{gpu.name} ({gpu.generation}); drop --fused-mlp (a --record plan that has it: --no-fused-mlp)")
     if plan.mtp_depth is not None:
         if not isinstance(plan.mtp_depth, int) or isinstance(plan.mtp_depth, bool) or plan.mtp_depth < 0:
             raise PlanError(f"mtp_depth={plan.mtp_depth!r} must be an integer >= 0")
@@ -542,6 +542,9 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
         raise PlanError("fp8_param (FP8 primary weights) needs precision 'fp8' or 'mxfp8'")
     if plan.imbalance is not None and not plan.imbalance >= 1.0:
         raise PlanError(f"imbalance={plan.imbalance} must be >= 1 (max/mean tokens per EP rank)")
+    if plan.imbalance is not None and plan.routing != "real":
+        raise PlanError(f"imbalance={plan.imbalance} is the load of real routing; routing={plan.routing!r} is "
+                        f"forced-balanced (imbalance 1): set routing 'real' (--routing real) or drop the imbalance")
     if plan.node_limit_m is not None:
         pos_int("node_limit_m", plan.node_limit_m)
     if plan.precision == "mxfp8" and gpu.generation != "blackwell":

@@ -40,6 +40,27 @@ FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {
                    "ep_overlap": False, "fsdp": True},
 }
 
+def framework_conflicts(plan: Plan, framework: str) -> list[str]:
+    """What in ``plan`` the named framework does not run (FRAMEWORK_PLANS); empty when it runs the plan.
+
+    Returns phrases such as ``"precision mxfp8 (it runs bf16, fp32)"``, for an error message. An unknown
+    framework has no rules and no conflicts."""
+    rules = FRAMEWORK_PLANS.get(framework)
+    if not rules:
+        return []
+    out = []
+    for name, v in (("tp", plan.tp), ("cp", plan.cp)):
+        if rules[name] and v not in rules[name]:
+            out.append(f"{name.upper()}={v} (it runs {name.upper()} {'/'.join(map(str, rules[name]))})")
+    if rules["precisions"] and plan.precision not in rules["precisions"]:
+        out.append(f"precision {plan.precision} (it runs {', '.join(rules['precisions'])})")
+    if plan.pp > 1 and plan.resolved_schedule not in rules["schedules"]:
+        out.append(f"the {plan.resolved_schedule} schedule (it runs {', '.join(rules['schedules'])})")
+    if plan.ep_overlap and not rules["ep_overlap"]:
+        out.append("EP overlap (it has none)")
+    return out
+
+
 #: Fields compared when reporting what a searched plan changed.
 DIFF_FIELDS = ("tp", "pp", "vpp", "ep", "cp", "dp", "micro_batch", "recompute", "recompute_modules", "ep_overlap",
                "schedule", "pp_layout", "precision", "fsdp", "framework")
@@ -316,20 +337,34 @@ def scale(model: Any, gpu: GPUSpec | str, counts: Iterable[int], base: Plan, *, 
 
 
 def parse_counts(text: str) -> list[int]:
-    """Parse ``--scale``: "64,128,256" or a geometric range "64-8192" / "64..8192" (powers of two)."""
+    """Parse ``--scale``: "64,128,256" or a doubling range "64-8192" / "64..8192" (64, 128, ..., 8192; an end that
+    is not reached by doubling is kept as the last count). Returns the counts ascending, each once.
+
+    Raises:
+        ValueError: not counts or a range of positive integers.
+    """
     text = text.strip()
+    bad = ValueError(f"--scale {text!r}: expected GPU counts like 64,128,256 or a range like 64-8192 "
+                     f"(positive integers)")
     for sep in ("..", "-"):
         if sep in text and "," not in text:
-            a, b = (int(x) for x in text.split(sep, 1))
+            try:
+                a, b = (int(x) for x in text.split(sep, 1))
+            except ValueError:
+                raise bad from None
             if a < 1 or b < a:
-                raise ValueError(f"bad GPU range {text!r}")
+                raise bad
             out, x = [], a
             while x <= b:
                 out.append(x)
                 x *= 2
+            if out[-1] != b:
+                out.append(b)
             return out
-    vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise bad from None
     if not vals or min(vals) < 1:
-        raise ValueError(f"bad GPU counts {text!r}; e.g. 64,128,256 or 64-8192")
-    return vals
-
+        raise bad
+    return sorted(set(vals))

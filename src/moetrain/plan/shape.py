@@ -212,9 +212,22 @@ GQA_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen_moe", "olmoe", "gpt_oss"
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """The value of the first of ``keys`` present in ``d``. A per-layer list (Hunyuan's ``moe_topk``,
+    ``moe_intermediate_size``) whose entries agree is read as that value.
+
+    Raises:
+        ShapeError: a per-layer list whose entries differ (layers of different shapes are not modelled).
+    """
     for k in keys:
-        if d.get(k) is not None:
-            return d[k]
+        v = d.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (list, tuple)):
+            if not v or any(x != v[0] for x in v):
+                raise ShapeError(f"config.json {k}={v!r}: layers with different values are not modelled (the "
+                                 f"cost model takes one {k} for every MoE layer)")
+            return v[0]
+        return v
     return default
 
 
@@ -222,9 +235,13 @@ def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> GQAMoEConfig
     """Read a Mixtral / Qwen-MoE style HF ``config.json`` (grouped-query attention + routed experts).
 
     Recognised keys: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
-    vocab_size, intermediate_size, moe_intermediate_size, num_local_experts | num_experts | n_routed_experts,
-    num_experts_per_tok, shared_expert_intermediate_size | n_shared_experts, first_k_dense_replace |
-    mlp_only_layers | decoder_sparse_step, qkv_bias | attention_bias, tie_word_embeddings, max_position_embeddings.
+    vocab_size, intermediate_size (| intermediate_size_mlp for Llama 4's dense layers), moe_intermediate_size,
+    num_local_experts | num_experts | n_routed_experts | moe_num_experts, num_experts_per_tok | moe_topk | moe_k,
+    shared_expert_intermediate_size | n_shared_experts | num_shared_expert | moe_num_shared_experts,
+    first_k_dense_replace | moe_layer_start_index | mlp_only_layers, decoder_sparse_step |
+    interleave_moe_layer_step | moe_layer_interval, qkv_bias | attention_bias, tie_word_embeddings,
+    max_position_embeddings. Per-layer lists (Hunyuan) are read when their entries agree. Llama 4 has a shared
+    expert of the routed width in every MoE layer.
     Mixtral's experts have width ``intermediate_size`` (it has no moe_intermediate_size). Layers in
     ``mlp_only_layers`` (or left dense by ``decoder_sparse_step``) are counted as dense layers; only their number
     matters for the cost model.
@@ -241,29 +258,35 @@ def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> GQAMoEConfig
         raise ShapeError(f"config.json lacks required key {e.args[0]!r}") from None
     n_kv = int(_first(d, "num_key_value_heads", default=n_heads))
     head_dim = int(_first(d, "head_dim", default=h // n_heads))
-    n_exp = _first(d, "num_local_experts", "num_experts", "n_routed_experts")
+    n_exp = _first(d, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     if not n_exp:
-        raise ShapeError("config.json has no routed experts (num_local_experts / num_experts / n_routed_experts); "
-                         "moetrain plan models MoE transformers")
-    top_k = int(_first(d, "num_experts_per_tok", "num_experts_per_token", "moe_topk", default=2))
+        raise ShapeError("config.json has no routed experts (num_local_experts / num_experts / n_routed_experts / "
+                         "moe_num_experts); moetrain plan models MoE transformers")
+    top_k = int(_first(d, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", default=2))
     inter = int(_first(d, "intermediate_size", default=0))
     moe_inter = int(_first(d, "moe_intermediate_size", default=inter))
+    dense_inter = int(_first(d, "intermediate_size_mlp", default=inter))   # Llama 4: its dense layers' width
     shared = int(_first(d, "shared_expert_intermediate_size", default=0))
-    if not shared and d.get("n_shared_experts"):
-        shared = int(d["n_shared_experts"]) * moe_inter
+    n_shared = _first(d, "n_shared_experts", "num_shared_expert", "moe_num_shared_experts")
+    if not shared and n_shared:
+        shared = int(n_shared) * moe_inter
+    if not shared and d.get("model_type") == "llama4_text":
+        shared = moe_inter  # every Llama 4 MoE layer has one shared expert of the routed experts' width
     n_dense = 0
     if d.get("first_k_dense_replace") is not None:
         n_dense = int(d["first_k_dense_replace"])
+    elif d.get("moe_layer_start_index") is not None:       # ERNIE 4.5
+        n_dense = int(_first(d, "moe_layer_start_index"))
     elif d.get("mlp_only_layers"):
         n_dense = len(set(int(i) for i in d["mlp_only_layers"]))
-    step = int(d.get("decoder_sparse_step") or 1)
+    step = int(_first(d, "decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_interval", default=1) or 1)
     if step > 1:
         n_dense = max(n_dense, n_layers - n_layers // step)
     try:
         return GQAMoEConfig(
             vocab_size=vocab, dim=h, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
             expert_ffn_dim=moe_inter, n_routed_experts=int(n_exp), top_k=top_k, n_dense_layers=n_dense,
-            dense_ffn_dim=inter if n_dense else 0, shared_ffn_dim=shared,
+            dense_ffn_dim=dense_inter if n_dense else 0, shared_ffn_dim=shared,
             qkv_bias=bool(_first(d, "qkv_bias", "attention_bias", default=False)),
             qk_norm=d.get("model_type") == "qwen3_moe",
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -293,8 +316,8 @@ def shape_from_hf(d: dict[str, Any], name: str = "hf") -> ModelShape:
     if "num_key_value_heads" in d or mt in GQA_TYPES:
         return shape_from_config(gqa_config_from_hf(d, name=name), name=name)
     raise ShapeError(f"config.json of model_type={mt!r} is neither DeepSeek-V3/V2 (kv_lora_rank) nor a "
-                     f"grouped-query-attention MoE (num_key_value_heads); supported types: "
-                     f"{list(DEEPSEEK_TYPES) + list(GQA_TYPES)}")
+                     f"grouped-query-attention MoE (num_key_value_heads); GQA MoE configs are read by their keys, "
+                     f"known types: {list(DEEPSEEK_TYPES) + list(GQA_TYPES)}")
 
 
 def load_shape(model: str | os.PathLike | AnyConfig | ModelShape) -> ModelShape:
