@@ -310,6 +310,7 @@ def test_validation_set_and_report(capsys):
         assert sum(b["points"] for b in groups.values()) == len(validation.POINTS), name
     assert set(d["summary"]["by_group"]["cuda_graphs"]) == {"full", "partial", "none"}
     assert set(d["summary"]["by_group"]["host"]) == {"x86", "grace"}
+    assert set(d["summary"]["by_group"]["gpu"]) == {p.gpu for p in validation.POINTS}
 
 
 @pytest.mark.xfail(strict=True, reason="validation MAE ~22% over 61 points (goal 12%; 8% on GB300, 12% with "

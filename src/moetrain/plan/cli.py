@@ -370,7 +370,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.json or args.json_out:
         _emit_json({"summary": summ, "points": [
             {"key": r.point.key, "source": r.point.source, "model": r.point.model, "gpu": r.point.gpu,
-             "n_gpus": r.point.n_gpus, "plan": r.point.plan.short(), "published_tflops_per_gpu": r.point.tflops_per_gpu,
+             "n_gpus": r.point.n_gpus, "plan": (r.prediction.plan if r.prediction else r.point.plan).short(),
+             "published_tflops_per_gpu": r.point.tflops_per_gpu,
              "predicted_tflops_per_gpu": r.predicted, "error": r.error, "note": r.point.note,
              "published_tokens_per_s_per_gpu": r.point.tokens_per_s_per_gpu,
              "predicted_tokens_per_s_per_gpu": r.prediction.tokens_per_s_per_gpu if r.prediction else None,

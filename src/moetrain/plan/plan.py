@@ -275,6 +275,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["schedule"] = self.resolved_schedule
+        # the framework's defaults where the plan leaves them unset, so a reader sees what was costed
+        d["dispatcher"] = self.resolved_dispatcher
+        d["cuda_graphs"] = self.resolved_cuda_graphs
         d["edp"] = self.edp if self.dp else None
         d["n_microbatches"] = self.n_microbatches if self.dp else None
         return d

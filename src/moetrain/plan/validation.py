@@ -575,13 +575,15 @@ def by_release(rows: list[Row]) -> dict[str, dict[str, Any]]:
 
 
 def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Points, MAE and mean signed error grouped three ways -- by CUDA-graph coverage, by host CPU (x86 on HGX /
-    DGX boards, Grace on NVL72) and by model -- the groupings that show where the error is (docs/validation.md,
-    "Where the error is"). Rows without a prediction are left out of the errors, counted in ``points``."""
+    """Points, MAE and mean signed error grouped four ways -- by CUDA-graph coverage, by host CPU (x86 on HGX /
+    DGX boards, Grace on NVL72), by GPU and by model -- the groupings that show where the error is
+    (docs/validation.md, "Where the error is"). Rows without a prediction are left out of the errors, counted in
+    ``points``."""
     from moetrain.plan.hardware import get_gpu
 
     keys = {"cuda_graphs": lambda pt: pt.plan.resolved_cuda_graphs,
             "host": lambda pt: get_gpu(pt.gpu).host_cpu or "x86",
+            "gpu": lambda pt: pt.gpu,
             "model": lambda pt: pt.model}
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, key in keys.items():
