@@ -342,7 +342,8 @@ def _overrides(args: argparse.Namespace, rec: Record | None = None) -> list[str]
     for f in ("recompute_modules", "ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp", "gpus", "gpu",
               "model", "nic_gbit", "nvlink_domain", "gpu_file"):
         v = getattr(args, f, None)
-        if v is not None and v != [] and (f not in own or own[f] != v):
+        same = f in own and (own[f] == v or (f == "gpu" and str(v).strip().lower() == str(own[f]).lower()))
+        if v is not None and v != [] and not same:
             out.append(f"--{f.replace('_', '-')} {v}")
     return out
 
