@@ -319,7 +319,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.json:
         report.print_prediction(pred, rec, overrides=overrides)
     if args.png:
-        report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None)
+        report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None,
+                              published_note=", the record's own plan" if overrides else "")
         if not args.json:
             print(f"chart: {args.png}")
     return 0 if pred.fits else 3

@@ -310,10 +310,11 @@ SUB_COLORS = {"dense GEMM": "#4C72B0", "expert GEMM": "#6C8EBF", "attention": "#
 
 
 def plot_breakdown(preds: Sequence[Prediction], path: str | os.PathLike, labels: Sequence[str] | None = None,
-                   published: Sequence[float | None] | None = None) -> Path:
+                   published: Sequence[float | None] | None = None, published_note: str = "") -> Path:
     """Stacked horizontal bars of the step-time breakdown (share of each step; compute split by kernel class),
-    TFLOP/s per GPU, step time and memory annotated."""
-    return _save(breakdown_figure(preds, labels, published), path, bbox_inches="tight")
+    TFLOP/s per GPU, step time and memory annotated; ``published_note`` follows each published figure (e.g. that
+    it is the record's own plan, not the one drawn)."""
+    return _save(breakdown_figure(preds, labels, published, published_note), path, bbox_inches="tight")
 
 
 def _save(fig, path: str | os.PathLike, **kw) -> Path:
@@ -325,7 +326,7 @@ def _save(fig, path: str | os.PathLike, **kw) -> Path:
 
 
 def breakdown_figure(preds: Sequence[Prediction], labels: Sequence[str] | None = None,
-                     published: Sequence[float | None] | None = None):
+                     published: Sequence[float | None] | None = None, published_note: str = ""):
     """The matplotlib Figure of :func:`plot_breakdown`."""
     plt = _plt()
     labels = list(labels) if labels else [f"{p.n_gpus}x{p.gpu.upper()}" for p in preds]
@@ -351,7 +352,7 @@ def breakdown_figure(preds: Sequence[Prediction], labels: Sequence[str] | None =
             left += v / step
         txt = f"{p.tflops_per_gpu:,.0f} TFLOP/s/GPU, step {step:.2f} s, {p.memory.total:.0f} GiB"
         if published and published[i]:
-            txt += f"\n(published {published[i]:,.0f})"
+            txt += f"\n(published {published[i]:,.0f}{published_note})"
         ax.text(1.01, i, txt, va="center", fontsize=8)
     ax.set_yticks(range(len(preds)), labels, fontsize=8)
     ax.set_xlim(0, 1)
