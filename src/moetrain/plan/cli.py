@@ -384,8 +384,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"MAE without source rows whose tok/s and TFLOP/s disagree: {summ['mae_consistent_rows']:.1%}")
         for rel, b in summ["by_release"].items():
             if b["mae"] is not None:
-                print(f"release {rel}: {b['predicted']} of {b['points']} points, MAE {b['mae']:.1%}, largest "
-                      f"{b['max_abs_error']:.1%}, mean signed {b['mean_signed_error']:+.1%}")
+                print(f"release or source {rel}: {b['predicted']} of {b['points']} points, MAE {b['mae']:.1%}, "
+                      f"largest {b['max_abs_error']:.1%}, mean signed {b['mean_signed_error']:+.1%}")
         for name, groups in summ["by_group"].items():
             print(f"by {name.replace('_', ' ')}: " + "; ".join(
                 f"{g} {b['predicted']} points MAE {b['mae']:.1%} (signed {b['mean_signed_error']:+.1%})"
