@@ -32,6 +32,11 @@ _PLAN_FLAGS = (("tp", "tp", int), ("pp", "pp", int), ("vpp", "vpp", int), ("ep",
                ("cuda_graphs", "cuda_graphs", str), ("mtp_depth", "mtp_depth", int))
 
 
+#: defaults of the search / scale / time-to-train options: --records, --validate and --compare refuse any other value
+#: (they would ignore it)
+_OPTION_DEFAULTS = {"top": 10, "tokens": 14.8e12, "scale_mode": "search", "scale_batch": "fixed"}
+
+
 def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", help="preset (deepseek-v3-671b, deepseek-v2-lite-16b, small, tiny) or a HF "
@@ -100,13 +105,14 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
                    "record keys (gb300, gb200, h100, h800) or validation point keys")
     g.add_argument("--any-framework", action="store_true", help="--search: also plans the framework does not run")
     g.add_argument("--search", action="store_true", help="rank valid plans by predicted TFLOP/s per GPU")
-    g.add_argument("--top", type=int, default=10, help="plans shown by --search")
+    g.add_argument("--top", type=int, default=_OPTION_DEFAULTS["top"], help="plans shown by --search")
     g.add_argument("--scale", help="GPU counts, e.g. 64,128,256 or 64-8192 (powers of two)")
-    g.add_argument("--scale-mode", choices=("search", "keep"), default="search",
+    g.add_argument("--scale-mode", choices=("search", "keep"), default=_OPTION_DEFAULTS["scale_mode"],
                    help="best plan at each count (search) or the given plan with more DP (keep)")
-    g.add_argument("--scale-batch", choices=("fixed", "per-gpu"), default="fixed",
+    g.add_argument("--scale-batch", choices=("fixed", "per-gpu"), default=_OPTION_DEFAULTS["scale_batch"],
                    help="global batch fixed, or sequences per GPU fixed")
-    g.add_argument("--tokens", type=float, default=14.8e12, help="token budget for time-to-train (default 14.8T)")
+    g.add_argument("--tokens", type=float, default=_OPTION_DEFAULTS["tokens"],
+                   help="token budget for time-to-train (default 14.8T)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")
     g.add_argument("--json-out", help="also write the JSON to this file")
@@ -228,6 +234,19 @@ def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) ->
     return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 
+def _said_chart(args: argparse.Namespace) -> None:
+    """Name the chart just written (not under --json, whose stdout is the JSON alone)."""
+    if not args.json:
+        print(f"chart: {args.png}")
+
+
+def _record_vs(rec: Record, pred: Any) -> dict[str, Any]:
+    """A record's published figure beside a prediction of its plan: the JSON of --records and --record."""
+    return {"key": rec.key, "source": rec.source, "published_tflops_per_gpu": rec.tflops_per_gpu,
+            "error": pred.tflops_per_gpu / rec.tflops_per_gpu - 1 if pred.fits else None,
+            "band": list(rec.band), "in_band": bool(pred.fits and rec.in_band(pred.tflops_per_gpu))}
+
+
 def _emit_json(obj: Any, args: argparse.Namespace) -> None:
     from moetrain.plan.report import to_json
 
@@ -251,7 +270,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, v, low in (("--gpus", args.gpus, 1), ("--top", args.top, 1), ("--nvlink-domain", args.nvlink_domain, 1)):
         if v is not None and v < low:
             raise ValueError(f"{flag} {v}: must be >= {low}")
-    for flag, v in (("--nic-gbit", args.nic_gbit), ("--tokens", args.tokens), ("--imbalance", args.imbalance)):
+    for flag, v in (("--nic-gbit", args.nic_gbit), ("--tokens", args.tokens)):
         if v is not None and not v > 0:
             raise ValueError(f"{flag} {v:g}: must be > 0")
     if args.png:
@@ -310,19 +329,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json or args.json_out:
         out: Any = pred
         if rec:
-            out = {**pred.to_dict(), "record": {
-                "key": rec.key, "source": rec.source, "published_tflops_per_gpu": rec.tflops_per_gpu,
-                "error": pred.tflops_per_gpu / rec.tflops_per_gpu - 1 if pred.fits else None,
-                "overrides": overrides, "band": None if overrides else list(rec.band),
-                "in_band": None if overrides else bool(pred.fits and rec.in_band(pred.tflops_per_gpu))}}
+            vs = _record_vs(rec, pred)
+            if overrides:  # the band is the record's own plan's
+                vs.update(band=None, in_band=None)
+            out = {**pred.to_dict(), "record": {**vs, "overrides": overrides}}
         _emit_json(out, args)
     if not args.json:
         report.print_prediction(pred, rec, overrides=overrides)
     if args.png:
         report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None,
                               published_note=", the record's own plan" if overrides else "")
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     return 0 if pred.fits else 3
 
 
@@ -357,8 +374,7 @@ def _refuse_flags(args: argparse.Namespace, mode: str) -> None:
         given.append("--record")
     if args.any_framework:
         given.append("--any-framework")
-    defaults = {"top": 10, "tokens": 14.8e12, "scale_mode": "search", "scale_batch": "fixed"}
-    given += [f"--{k.replace('_', '-')}" for k, d in defaults.items() if getattr(args, k) != d]
+    given += [f"--{k.replace('_', '-')}" for k, d in _OPTION_DEFAULTS.items() if getattr(args, k) != d]
     if given:
         raise ValueError(f"{mode} predicts each published row with its own plan and would ignore "
                          f"{', '.join(sorted(set(given)))}; drop them, or use --record KEY with overrides")
@@ -397,8 +413,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         fit = [r for r in rows if r.prediction is not None and r.prediction.fits]
         report.plot_breakdown([r.prediction for r in fit], args.png, labels=[r.point.key for r in fit],
                               published=[r.point.tflops_per_gpu for r in fit])
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     return 0
 
 
@@ -436,8 +451,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         c.print(report.compare_summary(a, b, "A", "B"))
     if args.png:
         report.plot_breakdown([a, b], args.png, labels=[la, lb])
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     return 0
 
 
@@ -446,13 +460,9 @@ def _cmd_records(args: argparse.Namespace) -> int:
 
     rows = [(r, predict(r.model, r.gpu, r.n_gpus, r.plan)) for r in RECORDS.values()]
     if args.json or args.json_out:
-        _emit_json({"records": [{"key": r.key, "source": r.source, "gpu": r.gpu, "n_gpus": r.n_gpus,
-                                 "plan": r.plan.short(), "published_tflops_per_gpu": r.tflops_per_gpu,
+        _emit_json({"records": [{**_record_vs(r, p), "gpu": r.gpu, "n_gpus": r.n_gpus, "plan": r.plan.short(),
                                  "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
-                                 "error": (p.tflops_per_gpu / r.tflops_per_gpu - 1) if p.fits else None,
-                                 "tolerance": r.tolerance, "band": list(r.band),
-                                 "in_band": bool(p.fits and r.in_band(p.tflops_per_gpu)),
-                                 "step_s": p.step.to_dict() if p.step else None}
+                                 "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
                                 for r, p in rows]}, args)
     if not args.json:
         report._console().print(report.records_table(rows))
@@ -460,8 +470,7 @@ def _cmd_records(args: argparse.Namespace) -> int:
         report.plot_breakdown([p for _, p in rows], args.png,
                               labels=[f"{r.n_gpus} {r.gpu.upper()} ({r.source})" for r, _ in rows],
                               published=[r.tflops_per_gpu for r, _ in rows])
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     return 0
 
 
@@ -479,8 +488,7 @@ def _cmd_search(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pl
         preds = ([res.baseline] if res.baseline is not None else []) + ranked
         labels = (["baseline"] if res.baseline is not None else []) + [f"#{i}" for i in range(1, len(ranked) + 1)]
         report.plot_breakdown(preds, args.png, labels=labels)
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     return 0 if res.best is not None else 3
 
 
@@ -499,8 +507,7 @@ def _cmd_scale(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pla
         report.plot_scale(pts, args.png, args.tokens,
                           title=f"{shape.name} on {gpu.name.upper()}: global batch {plan.global_batch} x "
                                 f"{plan.seq_len} ({args.scale_batch}), plan {args.scale_mode}")
-        if not args.json:
-            print(f"chart: {args.png}")
+        _said_chart(args)
     if not any(pt.prediction is not None and pt.prediction.fits for pt in pts):
         print("moetrain plan: no GPU count has a valid plan that fits (each row says why)", file=sys.stderr)
         return 3
