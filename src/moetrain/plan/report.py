@@ -235,7 +235,8 @@ def print_search(res: SearchResult, file: Any = None, n: int = 10) -> None:
     c.print(f"best:     {res.best.plan.short()} -> {res.best.tflops_per_gpu:,.1f} TFLOP/s/GPU"
             + (f" ({g - 1:+.1%} vs baseline)" if g else ""))
     ch = res.changes()
-    c.print("changed:  " + ("; ".join(ch) if ch else "nothing (the baseline is the best plan found)"))
+    c.print("changed:  " + ("; ".join(ch) if ch else "nothing (the baseline is the best plan found)"
+                            if res.baseline is not None else "(no valid baseline to compare with)"))
     if res.framework:
         c.print(f"searched: plans {res.framework} runs ({res.restriction})")
     b = res.baseline
