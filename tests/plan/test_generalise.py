@@ -313,6 +313,33 @@ def test_validation_set_and_report(capsys):
     assert set(d["summary"]["by_group"]["gpu"]) == {p.gpu for p in validation.POINTS}
 
 
+def test_repeated_plans_bound_what_any_plan_only_model_can_reach(capsys):
+    """Points that publish one plan twice (only the release differs) are grouped; their spread bounds the error of
+    any model that sees only the plan. Hand-computed on 1,199 / 1,298: best largest error 99 / 2,497 = 3.96%,
+    best mean error (1 - 1,199 / 1,298) / 2 = 3.81%."""
+    pt = next(p for p in validation.POINTS if p.key == "dsv3-gb300-260401")
+    twin = validation.Point("twin", pt.source, pt.model, pt.gpu, pt.n_gpus, pt.plan.replace(name="other name"),
+                            1199.0, "test")
+    other = validation.Point("other", pt.source, pt.model, pt.gpu, pt.n_gpus, pt.plan.replace(micro_batch=1),
+                             900.0, "test")
+    rows = [validation.Row(p, None, None) for p in (pt, twin, other)]
+    (g,) = validation.repeats(rows)                              # the plan name does not count, the batch does
+    assert g["keys"] == ["dsv3-gb300-260401", "twin"] and g["published"] == [1298, 1199.0]
+    assert g["spread"] == pytest.approx(1298 / 1199 - 1)
+    assert g["min_max_error"] == pytest.approx(99 / 2497)
+    assert g["min_mean_error"] == pytest.approx((1 - 1199 / 1298) / 2)
+    # three figures 100 / 200 / 300: the mean error at p = 100 is (0 + 1/2 + 2/3) / 3 = 0.389, at p = 200
+    # (1 + 0 + 1/3) / 3 = 0.444, at p = 300 (2 + 1/2 + 0) / 3 = 0.833: the best is the lowest figure
+    trio = [validation.Row(validation.Point(k, pt.source, pt.model, pt.gpu, pt.n_gpus, pt.plan, x, "test"), None, None)
+            for k, x in (("a", 100.0), ("b", 200.0), ("c", 300.0))]
+    (t,) = validation.repeats(trio)
+    assert t["min_mean_error"] == pytest.approx((0 + 0.5 + 2 / 3) / 3)
+    # the report prints the bound beside the model's error on the same points
+    assert plan_main(["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "one plan published more than once" in out and "can at best reach an MAE of" in out
+
+
 @pytest.mark.xfail(strict=True, reason="validation MAE ~22% over 61 points (goal 12%; 8% on GB300, 12% with "
                    "whole-iteration CUDA graphs): over-predicted most where runs are launched eagerly, on x86 hosts "
                    "and for the smaller models -- host-bound execution under-charged; see docs/validation.md")

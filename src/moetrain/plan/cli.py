@@ -380,6 +380,11 @@ def _refuse_flags(args: argparse.Namespace, mode: str) -> None:
                          f"{', '.join(sorted(set(given)))}; drop them, or use --record KEY with overrides")
 
 
+def _mae_of(rows: list[Any], keys: list[str]) -> float:
+    errs = [abs(r.error) for r in rows if r.point.key in keys and r.error is not None]
+    return sum(errs) / len(errs) if errs else float("nan")
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from moetrain.plan import report, validation
 
@@ -406,6 +411,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"by {name.replace('_', ' ')}: " + "; ".join(
                 f"{g} {b['predicted']} points MAE {b['mae']:.1%} (signed {b['mean_signed_error']:+.1%})"
                 for g, b in groups.items() if b["mae"] is not None))
+        if summ["repeats"]:
+            rep = summ["repeats"]
+            n = sum(len(g["keys"]) for g in rep)
+            floor = sum(g["min_mean_error"] * len(g["keys"]) for g in rep) / n
+            print(f"one plan published more than once (only the release differs): {len(rep)} groups, {n} points, "
+                  f"spread up to {rep[0]['spread']:.1%} ({' / '.join(rep[0]['keys'])}); one prediction per plan "
+                  f"can at best reach an MAE of {floor:.1%} on them (the model: "
+                  f"{_mae_of(rows, [k for g in rep for k in g['keys']]):.1%})")
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")

@@ -599,6 +599,38 @@ def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def repeats(rows: list[Row]) -> list[dict[str, Any]]:
+    """Groups of points that publish one plan more than once (same model, GPU, GPU count and plan; only the
+    release differs), with the spread of their published figures.
+
+    A model that sees only the plan gives every point of a group one prediction ``p``, so the group bounds the
+    error any such model can reach there: the smallest largest error is ``(hi - lo) / (hi + lo)`` (``p`` the
+    harmonic middle ``2 hi lo / (hi + lo)``); the smallest mean error is reached at one of the published figures
+    (the mean of ``|p / x - 1|`` is convex and piecewise linear in ``p``), for a pair ``(1 - lo / hi) / 2``. E.g.
+    1,199 and 1,298 TFLOP/s: 4.0% and 3.8%.
+
+    Returns: one dict per group of two or more points, largest ``spread`` (hi / lo - 1) first, with ``keys``,
+    ``published`` (TFLOP/s per GPU, in the order of ``keys``), ``spread``, ``min_max_error``, ``min_mean_error``.
+    """
+    groups: dict[tuple[Any, ...], list[Row]] = {}
+    for r in rows:
+        pt = r.point
+        plan = pt.plan.to_dict()
+        plan.pop("name", None)
+        key = (pt.model, pt.gpu, pt.n_gpus, tuple(sorted((k, repr(v)) for k, v in plan.items())))
+        groups.setdefault(key, []).append(r)
+    out = []
+    for rs in groups.values():
+        if len(rs) < 2:
+            continue
+        pub = [r.point.tflops_per_gpu for r in rs]
+        lo, hi = min(pub), max(pub)
+        out.append({"keys": [r.point.key for r in rs], "published": pub, "spread": hi / lo - 1,
+                    "min_max_error": (hi - lo) / (hi + lo),
+                    "min_mean_error": min(sum(abs(p / x - 1) for x in pub) / len(pub) for p in pub)})
+    return sorted(out, key=lambda g: -g["spread"])
+
+
 def summary(rows: list[Row]) -> dict[str, Any]:
     """Mean absolute error, largest error and the goal checks over the rows that have a prediction."""
     errs = [abs(r.error) for r in rows if r.error is not None]
@@ -607,7 +639,7 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     clean = [abs(r.error) for r in rows if r.error is not None and not r.point.inconsistent]
     return {"points": len(rows), "predicted": len(errs), "mae": mae, "max_abs_error": worst,
             "mae_consistent_rows": sum(clean) / len(clean) if clean else None,
-            "by_release": by_release(rows), "by_group": by_group(rows),
+            "by_release": by_release(rows), "by_group": by_group(rows), "repeats": repeats(rows),
             "mean_signed_error": (sum(r.error for r in rows if r.error is not None) / len(errs)) if errs else None,
             "mae_goal": MAE_GOAL, "max_goal": MAX_GOAL,
             "goal_met": bool(errs) and len(errs) == len(rows) and mae <= MAE_GOAL and worst <= MAX_GOAL}
