@@ -340,6 +340,33 @@ def test_repeated_plans_bound_what_any_plan_only_model_can_reach(capsys):
     assert "one plan published more than once" in out and "can at best reach an MAE of" in out
 
 
+def test_a_prediction_shows_the_models_error_on_published_runs_like_it(capsys):
+    import dataclasses
+
+    rows = validation.run()
+    # H100 without CUDA graphs: enough points to speak of that group alone
+    h100_none = [r.error for r in rows if r.point.gpu == "h100" and r.point.plan.resolved_cuda_graphs == "none"]
+    assert len(h100_none) >= validation.TRACK_RECORD_MIN_POINTS
+    t = validation.track_record(get_gpu("h100"), "none")
+    assert t["points"] == len(h100_none) and "no CUDA graphs" in t["group"]
+    assert t["mean_signed_error"] == pytest.approx(sum(h100_none) / len(h100_none))
+    assert (t["min_error"], t["max_error"]) == (pytest.approx(min(h100_none)), pytest.approx(max(h100_none)))
+    # GB300 without graphs has fewer points than that: all of GB300's are taken
+    gb300_none = [r for r in rows if r.point.gpu == "gb300" and r.point.plan.resolved_cuda_graphs == "none"]
+    assert 0 < len(gb300_none) < validation.TRACK_RECORD_MIN_POINTS
+    t = validation.track_record(get_gpu("gb300"), "none")
+    assert t["points"] == sum(r.point.gpu == "gb300" for r in rows) and t["group"] == "GB300 runs"
+    # no published point: an H800, or a user's entry even when it copies a catalogue GPU
+    assert validation.track_record(get_gpu("h800"), "none") is None
+    assert validation.track_record(dataclasses.replace(get_gpu("h100")), "none") is None
+    # the CLI prints it under the prediction and puts it in the JSON; the record's own figure stays in "record"
+    assert plan_main(["--record", "h100"]) == 0
+    assert "track record: on the" in capsys.readouterr().out
+    assert plan_main(["--record", "gb300", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["track_record"]["points"] >= 1 and d["record"]["published_tflops_per_gpu"] == 1648
+
+
 @pytest.mark.xfail(strict=True, reason="validation MAE ~22% over 61 points (goal 12%; 8% on GB300, 12% with "
                    "whole-iteration CUDA graphs): over-predicted most where runs are launched eagerly, on x86 hosts "
                    "and for the smaller models -- host-bound execution under-charged; see docs/validation.md")

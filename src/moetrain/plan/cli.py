@@ -326,16 +326,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"moetrain plan: error: {e}", file=sys.stderr)
         return 2
     overrides = _overrides(args, rec) if rec else []
+    from moetrain.plan.validation import track_record
+
+    track = track_record(gpu, pred.plan.resolved_cuda_graphs) if pred.fits else None
     if args.json or args.json_out:
-        out: Any = pred
+        out: Any = {**pred.to_dict(), "track_record": track}
         if rec:
             vs = _record_vs(rec, pred)
             if overrides:  # the band is the record's own plan's
                 vs.update(band=None, in_band=None)
-            out = {**pred.to_dict(), "record": {**vs, "overrides": overrides}}
+            out["record"] = {**vs, "overrides": overrides}
         _emit_json(out, args)
     if not args.json:
         report.print_prediction(pred, rec, overrides=overrides)
+        if track:
+            print(f"track record: on the {track['points']} published {track['group']}, predicted / published - 1 "
+                  f"averaged {track['mean_signed_error']:+.0%} ({track['min_error']:+.0%} to "
+                  f"{track['max_error']:+.0%}; `moetrain plan --validate`, docs/validation.md)")
     if args.png:
         report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None,
                               published_note=", the record's own plan" if overrides else "")

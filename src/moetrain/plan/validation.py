@@ -46,11 +46,15 @@ docs/validation.md holds the table with the latest predictions; ``moetrain plan 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetrain.plan.plan import Plan
 from moetrain.plan.shape import ModelShape, load_shape, shape_from_hf
+
+if TYPE_CHECKING:
+    from moetrain.plan.hardware import GPUSpec
 
 #: Hugging Face ``config.json`` fields of the other models (Qwen/Qwen3-235B-A22B, Qwen/Qwen3-30B-A3B).
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
@@ -629,6 +633,48 @@ def repeats(rows: list[Row]) -> list[dict[str, Any]]:
                     "min_max_error": (hi - lo) / (hi + lo),
                     "min_mean_error": min(sum(abs(p / x - 1) for x in pub) / len(pub) for p in pub)})
     return sorted(out, key=lambda g: -g["spread"])
+
+
+#: Fewest points of one GPU and CUDA-graph coverage for :func:`track_record` to speak of that group alone; with
+#: fewer it speaks of the GPU's points.
+TRACK_RECORD_MIN_POINTS = 3
+
+
+@functools.lru_cache(maxsize=1)
+def _catalogue_rows() -> tuple[Row, ...]:
+    return tuple(run())
+
+
+def track_record(gpu: GPUSpec, cuda_graphs: str) -> dict[str, Any] | None:
+    """How the model did on the published points most like a plan: those on the same GPU with the same CUDA-graph
+    coverage, or all of that GPU's points when there are fewer than :data:`TRACK_RECORD_MIN_POINTS` of those. A
+    reader of one prediction sees the error of its kind of run (docs/validation.md); nothing here changes the
+    prediction.
+
+    Args:
+        gpu: the plan's GPU; only catalogue GPUs have published points (a ``--gpu-file`` entry, even one named like
+            a catalogue GPU, or a measured local machine gets None).
+        cuda_graphs: the plan's resolved coverage, "full", "partial" or "none".
+
+    Returns: None when no point matches, else ``group`` (words), ``points``, ``keys``, ``mean_signed_error``,
+    ``min_error``, ``max_error`` (fractions, predicted / published - 1).
+    """
+    from moetrain.plan.hardware import CATALOGUE
+
+    if CATALOGUE.get(gpu.name) is not gpu:
+        return None
+    rows = [r for r in _catalogue_rows() if r.point.gpu == gpu.name and r.error is not None]
+    same = [r for r in rows if r.point.plan.resolved_cuda_graphs == cuda_graphs]
+    graphs = {"full": "whole-iteration CUDA graphs", "partial": "partial CUDA graphs", "none": "no CUDA graphs"}
+    if len(same) >= TRACK_RECORD_MIN_POINTS:
+        rows, group = same, f"{gpu.name.upper()} runs with {graphs.get(cuda_graphs, cuda_graphs)}"
+    else:
+        group = f"{gpu.name.upper()} runs"
+    if not rows:
+        return None
+    errs = [r.error for r in rows]
+    return {"group": group, "points": len(rows), "keys": [r.point.key for r in rows],
+            "mean_signed_error": sum(errs) / len(errs), "min_error": min(errs), "max_error": max(errs)}
 
 
 def summary(rows: list[Row]) -> dict[str, Any]:
