@@ -342,29 +342,54 @@ def test_repeated_plans_bound_what_any_plan_only_model_can_reach(capsys):
 
 def test_a_prediction_shows_the_models_error_on_published_runs_like_it(capsys):
     import dataclasses
+    import statistics
 
     rows = validation.run()
     # H100 without CUDA graphs: enough points to speak of that group alone
     h100_none = [r.error for r in rows if r.point.gpu == "h100" and r.point.plan.resolved_cuda_graphs == "none"]
     assert len(h100_none) >= validation.TRACK_RECORD_MIN_POINTS
-    t = validation.track_record(get_gpu("h100"), "none")
-    assert t["points"] == len(h100_none) and "no CUDA graphs" in t["group"]
-    assert t["mean_signed_error"] == pytest.approx(sum(h100_none) / len(h100_none))
-    assert (t["min_error"], t["max_error"]) == (pytest.approx(min(h100_none)), pytest.approx(max(h100_none)))
-    # GB300 without graphs has fewer points than that: all of GB300's are taken
+    t = validation.track_record(get_gpu("h100"), "none", DS)
+    g = t["gpu"]
+    assert g["points"] == len(h100_none) and not g["fallback"] and not g["modified"]
+    assert g["mean_signed_error"] == pytest.approx(sum(h100_none) / len(h100_none))
+    assert g["median_error"] == pytest.approx(statistics.median(h100_none))
+    assert (g["min_error"], g["max_error"]) == (pytest.approx(min(h100_none)), pytest.approx(max(h100_none)))
+    ds = [r.error for r in rows if r.point.model == DS]
+    assert t["model"]["points"] == len(ds) and t["model"]["mean_signed_error"] == pytest.approx(sum(ds) / len(ds))
+    # GB300 without graphs has fewer points than that: all of GB300's are taken, and the group says so
     gb300_none = [r for r in rows if r.point.gpu == "gb300" and r.point.plan.resolved_cuda_graphs == "none"]
     assert 0 < len(gb300_none) < validation.TRACK_RECORD_MIN_POINTS
-    t = validation.track_record(get_gpu("gb300"), "none")
-    assert t["points"] == sum(r.point.gpu == "gb300" for r in rows) and t["group"] == "GB300 runs"
-    # no published point: an H800, or a user's entry even when it copies a catalogue GPU
-    assert validation.track_record(get_gpu("h800"), "none") is None
-    assert validation.track_record(dataclasses.replace(get_gpu("h100")), "none") is None
+    g = validation.track_record(get_gpu("gb300"), "none")["gpu"]
+    assert g["fallback"] and g["points"] == sum(r.point.gpu == "gb300" for r in rows)
+    assert g["group"].startswith(f"all {g['points']} GB300 runs ({len(gb300_none)} with no CUDA graphs")
+    # no published point on an H800 nor of an unknown model; a changed catalogue GPU keeps its name's record,
+    # flagged; a user GPU of another name has none
+    assert validation.track_record(get_gpu("h800"), "none", "tiny") == {"gpu": None, "model": None}
+    changed = dataclasses.replace(get_gpu("h100"), nic_gbps=100.0)
+    assert validation.track_record(changed, "none")["gpu"]["modified"]
+    assert validation.track_record(dataclasses.replace(get_gpu("h100"), name="myh100"), "none")["gpu"] is None
     # the CLI prints it under the prediction and puts it in the JSON; the record's own figure stays in "record"
     assert plan_main(["--record", "h100"]) == 0
-    assert "track record: on the" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "track record on validation runs" in out and "H100 runs with no CUDA graphs" in out
     assert plan_main(["--record", "gb300", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["track_record"]["points"] >= 1 and d["record"]["published_tflops_per_gpu"] == 1648
+    assert d["track_record"]["gpu"]["points"] >= 1 and d["record"]["published_tflops_per_gpu"] == 1648
+
+
+def test_validation_predicts_on_the_catalogue_gpu_even_when_a_user_entry_shares_its_name(tmp_path):
+    from moetrain.plan import hardware
+
+    before = {r.point.key: r.predicted for r in validation.run() if r.point.gpu == "h100"}
+    f = tmp_path / "fast.toml"
+    f.write_text('[gpu.h100]\ngeneration = "hopper"\npeak_tflops = {bf16 = 9890, fp8 = 19790}\nhbm_gb = 80\n'
+                 'hbm_tbps = 33.5\nnvlink_gbps_bidir = 9000\nnvlink_domain = 8\nnic_gbit = 4000\n')
+    try:
+        hardware.load_gpu_file(f)
+        after = {r.point.key: r.predicted for r in validation.run() if r.point.gpu == "h100"}
+    finally:
+        hardware._USER.pop("h100", None)
+    assert after == before
 
 
 @pytest.mark.xfail(strict=True, reason="validation MAE ~22% over 61 points (goal 12%; 8% on GB300, 12% with "

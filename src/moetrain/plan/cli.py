@@ -123,7 +123,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on the main ``moetrain`` sub-parsers."""
     p = subparsers.add_parser("plan", help="predict step time, TFLOP/s and memory of a training plan; --search, "
                               "--scale, --records",
-                              description="Analytical performance model of MoE pre-training (docs/performance-model.md)")
+                              description="Analytical performance model of MoE pre-training (docs/performance-model.md). A "
+                              "single-plan prediction ends with its track record: the model's error on the published "
+                              "validation runs on its GPU and of its model (docs/validation.md)")
     _add_plan_args(p)
     p.set_defaults(func=cmd_plan)
     return p
@@ -328,7 +330,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overrides = _overrides(args, rec) if rec else []
     from moetrain.plan.validation import track_record
 
-    track = track_record(gpu, pred.plan.resolved_cuda_graphs) if pred.fits else None
+    track = (track_record(gpu, pred.plan.resolved_cuda_graphs, pred.model)
+             if pred.fits and gpu.generation != "cpu" else None)
     if args.json or args.json_out:
         out: Any = {**pred.to_dict(), "track_record": track}
         if rec:
@@ -339,10 +342,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _emit_json(out, args)
     if not args.json:
         report.print_prediction(pred, rec, overrides=overrides)
-        if track:
-            print(f"track record: on the {track['points']} published {track['group']}, predicted / published - 1 "
-                  f"averaged {track['mean_signed_error']:+.0%} ({track['min_error']:+.0%} to "
-                  f"{track['max_error']:+.0%}; `moetrain plan --validate`, docs/validation.md)")
+        if track is not None:
+            print(_track_words(track, gpu.name, pred.model))
     if args.png:
         report.plot_breakdown([pred], args.png, published=[rec.tflops_per_gpu] if rec else None,
                               published_note=", the record's own plan" if overrides else "")
@@ -387,9 +388,18 @@ def _refuse_flags(args: argparse.Namespace, mode: str) -> None:
                          f"{', '.join(sorted(set(given)))}; drop them, or use --record KEY with overrides")
 
 
-def _mae_of(rows: list[Any], keys: list[str]) -> float:
-    errs = [abs(r.error) for r in rows if r.point.key in keys and r.error is not None]
-    return sum(errs) / len(errs) if errs else float("nan")
+def _track_words(track: dict[str, Any], gpu: str, model: str) -> str:
+    """One line on the model's error on the validation runs most like a plan (``validation.track_record``)."""
+    def errs(d: dict[str, Any]) -> str:
+        return (f"mean {d['mean_signed_error']:+.0%}, median {d['median_error']:+.0%}, range {d['min_error']:+.0%} "
+                f"to {d['max_error']:+.0%}")
+
+    g, m = track["gpu"], track["model"]
+    parts = [f"{g['group']}: {errs(g)}" + (f" (they ran on the catalogue {g['gpu'].upper()}; this GPU is changed)"
+                                           if g["modified"] else "")] if g else [f"no run on {gpu.upper()}"]
+    parts.append(f"{m['points']} {m['model']} runs on any GPU: {errs(m)}" if m else f"no run of {model}")
+    return ("track record on validation runs (published, never calibrated on; predicted / published - 1, + is too "
+            "high): " + "; ".join(parts) + " (docs/validation.md)")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -418,14 +428,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             print(f"by {name.replace('_', ' ')}: " + "; ".join(
                 f"{g} {b['predicted']} points MAE {b['mae']:.1%} (signed {b['mean_signed_error']:+.1%})"
                 for g, b in groups.items() if b["mae"] is not None))
-        if summ["repeats"]:
-            rep = summ["repeats"]
-            n = sum(len(g["keys"]) for g in rep)
-            floor = sum(g["min_mean_error"] * len(g["keys"]) for g in rep) / n
-            print(f"one plan published more than once (only the release differs): {len(rep)} groups, {n} points, "
-                  f"spread up to {rep[0]['spread']:.1%} ({' / '.join(rep[0]['keys'])}); one prediction per plan "
-                  f"can at best reach an MAE of {floor:.1%} on them (the model: "
-                  f"{_mae_of(rows, [k for g in rep for k in g['keys']]):.1%})")
+        if summ["repeats_bound"]:
+            rep, b = summ["repeats"], summ["repeats_bound"]
+            print(f"one plan published more than once (only the release differs): {b['groups']} groups, "
+                  f"{b['points']} points, spread up to {rep[0]['spread']:.1%} ({' / '.join(rep[0]['keys'])}); one "
+                  f"prediction per plan can at best reach an MAE of {b['best_mae']:.1%} on them (the model: "
+                  f"{b['model_mae']:.1%})")
         print(f"mean signed error {summ['mean_signed_error']:+.1%}; goal "
               f"{'met' if summ['goal_met'] else 'NOT met'} (MAE <= {summ['mae_goal']:.0%}, none beyond "
               f"{summ['max_goal']:.0%}); no constant is fitted to these points (docs/validation.md)")

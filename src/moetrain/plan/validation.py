@@ -547,14 +547,17 @@ class Row:
 
 
 def run(points: tuple[Point, ...] = POINTS) -> list[Row]:
-    """Predict every point with the catalogue constants (no per-point setting beyond its published plan)."""
+    """Predict every point with the catalogue's GPU and constants (no per-point setting beyond its published
+    plan)."""
+    from moetrain.plan.hardware import CATALOGUE
     from moetrain.plan.model import predict
     from moetrain.plan.plan import PlanError
 
     rows = []
     for pt in points:
         try:
-            pr = predict(model_shape(pt.model), pt.gpu, pt.n_gpus, pt.plan)
+            # the catalogue's entry, never a user's (--gpu-file, register_gpu) that shares its name
+            pr = predict(model_shape(pt.model), CATALOGUE[pt.gpu], pt.n_gpus, pt.plan)
         except PlanError as e:
             rows.append(Row(pt, None, None, f"invalid plan: {e}"))
             continue
@@ -604,8 +607,8 @@ def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
 
 
 def repeats(rows: list[Row]) -> list[dict[str, Any]]:
-    """Groups of points that publish one plan more than once (same model, GPU, GPU count and plan; only the
-    release differs), with the spread of their published figures.
+    """Groups of points that publish one plan more than once (same model, GPU, GPU count, plan and source table;
+    only the release differs), with the spread of their published figures.
 
     A model that sees only the plan gives every point of a group one prediction ``p``, so the group bounds the
     error any such model can reach there: the smallest largest error is ``(hi - lo) / (hi + lo)`` (``p`` the
@@ -621,7 +624,8 @@ def repeats(rows: list[Row]) -> list[dict[str, Any]]:
         pt = r.point
         plan = pt.plan.to_dict()
         plan.pop("name", None)
-        key = (pt.model, pt.gpu, pt.n_gpus, tuple(sorted((k, repr(v)) for k, v in plan.items())))
+        where = pt.source.split(None, 1)[1:] if pt.source.startswith("MB-") else [pt.source]
+        key = (pt.model, pt.gpu, pt.n_gpus, tuple(where), tuple(sorted((k, repr(v)) for k, v in plan.items())))
         groups.setdefault(key, []).append(r)
     out = []
     for rs in groups.values():
@@ -636,45 +640,83 @@ def repeats(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 #: Fewest points of one GPU and CUDA-graph coverage for :func:`track_record` to speak of that group alone; with
-#: fewer it speaks of the GPU's points.
+#: fewer it speaks of all of the GPU's points and says so.
 TRACK_RECORD_MIN_POINTS = 3
 
-
-@functools.lru_cache(maxsize=1)
-def _catalogue_rows() -> tuple[Row, ...]:
-    return tuple(run())
+_GRAPHS_WORDS = {"full": "whole-iteration CUDA graphs", "partial": "partial CUDA graphs", "none": "no CUDA graphs"}
 
 
-def track_record(gpu: GPUSpec, cuda_graphs: str) -> dict[str, Any] | None:
-    """How the model did on the published points most like a plan: those on the same GPU with the same CUDA-graph
-    coverage, or all of that GPU's points when there are fewer than :data:`TRACK_RECORD_MIN_POINTS` of those. A
+@functools.lru_cache(maxsize=None)
+def _rows_where(gpu: str | None, model: str | None) -> tuple[Row, ...]:
+    """The validation rows on one catalogue GPU or of one model, predicted once per process."""
+    return tuple(run(tuple(p for p in POINTS if p.gpu == gpu or p.model == model)))
+
+
+def _errors(rows: list[Row] | tuple[Row, ...]) -> dict[str, Any]:
+    errs = sorted(r.error for r in rows if r.error is not None)
+    m = len(errs)
+    return {"points": m, "keys": [r.point.key for r in rows if r.error is not None],
+            "mean_signed_error": sum(errs) / m, "median_error": (errs[(m - 1) // 2] + errs[m // 2]) / 2,
+            "min_error": errs[0], "max_error": errs[-1]}
+
+
+def track_record(gpu: GPUSpec, cuda_graphs: str, model: str | None = None) -> dict[str, Any]:
+    """How the model did on the validation points (published runs no constant was set from) most like a plan: on
+    its GPU with its CUDA-graph coverage -- all of that GPU's points when fewer than
+    :data:`TRACK_RECORD_MIN_POINTS` share the coverage, flagged ``fallback`` -- and of its model on any GPU. A
     reader of one prediction sees the error of its kind of run (docs/validation.md); nothing here changes the
-    prediction.
+    prediction, a search or a constant.
 
     Args:
-        gpu: the plan's GPU; only catalogue GPUs have published points (a ``--gpu-file`` entry, even one named like
-            a catalogue GPU, or a measured local machine gets None).
+        gpu: the plan's GPU; its catalogue name selects the points. A ``--gpu-file`` entry or a what-if flag that
+            changes a catalogue GPU gets that GPU's record with ``modified`` True (the points ran on the catalogue
+            part); a GPU outside the catalogue gets no GPU record.
         cuda_graphs: the plan's resolved coverage, "full", "partial" or "none".
+        model: the plan's model name (``Prediction.model``); points of the same name give the model record.
 
-    Returns: None when no point matches, else ``group`` (words), ``points``, ``keys``, ``mean_signed_error``,
-    ``min_error``, ``max_error`` (fractions, predicted / published - 1).
+    Returns: ``{"gpu": G or None, "model": M or None}``. G has ``group`` (words), ``gpu``, ``cuda_graphs``,
+    ``fallback``, ``modified`` and the error fields; M has ``model`` and the error fields. Error fields:
+    ``points``, ``keys``, ``mean_signed_error``, ``median_error``, ``min_error``, ``max_error`` (fractions,
+    predicted / published - 1: positive is over-predicted).
     """
     from moetrain.plan.hardware import CATALOGUE
 
-    if CATALOGUE.get(gpu.name) is not gpu:
+    known_gpu = gpu.name if gpu.name in CATALOGUE and any(p.gpu == gpu.name for p in POINTS) else None
+    known_model = model if model and any(p.model == model for p in POINTS) else None
+    out: dict[str, Any] = {"gpu": None, "model": None}
+    if known_gpu is None and known_model is None:
+        return out
+    rows = _rows_where(known_gpu, known_model)
+    if known_gpu:
+        on_gpu = [r for r in rows if r.point.gpu == known_gpu]
+        same = [r for r in on_gpu if r.point.plan.resolved_cuda_graphs == cuda_graphs]
+        fallback = len(same) < TRACK_RECORD_MIN_POINTS
+        words = _GRAPHS_WORDS.get(cuda_graphs, cuda_graphs)
+        group = (f"all {len(on_gpu)} {known_gpu.upper()} runs ({len(same)} with {words}, too few alone)" if fallback
+                 else f"{len(same)} {known_gpu.upper()} runs with {words}")
+        if any(r.error is not None for r in (on_gpu if fallback else same)):
+            out["gpu"] = {"group": group, "gpu": known_gpu, "cuda_graphs": cuda_graphs, "fallback": fallback,
+                          "modified": gpu != CATALOGUE[known_gpu], **_errors(on_gpu if fallback else same)}
+    if known_model:
+        of_model = [r for r in rows if r.point.model == known_model]
+        if any(r.error is not None for r in of_model):
+            out["model"] = {"model": known_model, **_errors(of_model)}
+    return out
+
+
+def repeats_bound(rows: list[Row]) -> dict[str, Any] | None:
+    """Over all points of :func:`repeats`: ``points``, ``best_mae`` (the MAE one prediction per plan could reach on
+    them, each group's ``min_mean_error`` weighted by its points) and ``model_mae`` (the model's MAE on the same
+    points); None when no plan is published twice."""
+    groups = repeats(rows)
+    if not groups:
         return None
-    rows = [r for r in _catalogue_rows() if r.point.gpu == gpu.name and r.error is not None]
-    same = [r for r in rows if r.point.plan.resolved_cuda_graphs == cuda_graphs]
-    graphs = {"full": "whole-iteration CUDA graphs", "partial": "partial CUDA graphs", "none": "no CUDA graphs"}
-    if len(same) >= TRACK_RECORD_MIN_POINTS:
-        rows, group = same, f"{gpu.name.upper()} runs with {graphs.get(cuda_graphs, cuda_graphs)}"
-    else:
-        group = f"{gpu.name.upper()} runs"
-    if not rows:
-        return None
-    errs = [r.error for r in rows]
-    return {"group": group, "points": len(rows), "keys": [r.point.key for r in rows],
-            "mean_signed_error": sum(errs) / len(errs), "min_error": min(errs), "max_error": max(errs)}
+    keys = {k for g in groups for k in g["keys"]}
+    n = sum(len(g["keys"]) for g in groups)
+    errs = [abs(r.error) for r in rows if r.point.key in keys and r.error is not None]
+    return {"groups": len(groups), "points": n,
+            "best_mae": sum(g["min_mean_error"] * len(g["keys"]) for g in groups) / n,
+            "model_mae": sum(errs) / len(errs) if errs else None}
 
 
 def summary(rows: list[Row]) -> dict[str, Any]:
@@ -686,6 +728,7 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     return {"points": len(rows), "predicted": len(errs), "mae": mae, "max_abs_error": worst,
             "mae_consistent_rows": sum(clean) / len(clean) if clean else None,
             "by_release": by_release(rows), "by_group": by_group(rows), "repeats": repeats(rows),
+            "repeats_bound": repeats_bound(rows),
             "mean_signed_error": (sum(r.error for r in rows if r.error is not None) / len(errs)) if errs else None,
             "mae_goal": MAE_GOAL, "max_goal": MAX_GOAL,
             "goal_met": bool(errs) and len(errs) == len(rows) and mae <= MAE_GOAL and worst <= MAX_GOAL}
