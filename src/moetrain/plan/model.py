@@ -509,6 +509,11 @@ def _a2a_pass_time(c: _Ctx, bytes_per_elem: float) -> float:
     rows_nvl, rows_nic = a2a_rows(c)
     nvl = c.n * rows_nvl * h * bytes_per_elem
     nic = c.n * rows_nic * h * bytes_per_elem
+    if c.plan.resolved_dispatcher == "flex":
+        # DeepEP / HybridEP pay a fixed cost per row on NVLink (constants.Efficiency.a2a_row_bytes); NCCL moves
+        # each peer's rows as one buffer, and the RDMA tables show no row-size effect (DeepEP internode: FP8
+        # dispatch and BF16 combine at the same GB/s)
+        nvl *= c.eff.row_factor(h * bytes_per_elem)
     t = max(nvl / c.nvl, nic / c.nic if nic else 0.0)
     return t * c.imb + c.a2a_lat
 
