@@ -39,11 +39,10 @@ class Efficiency:
             its K0 larger by that ratio (:meth:`tile_k0`); an FP8 pass is then never slower than a BF16 one.
         wgrad_fp8: rate of an FP8 weight-gradient GEMM (contraction over tokens, FP32 accumulation into the
             gradient) relative to a forward GEMM of the same contraction length.
-        a2a_row_bytes: the fixed cost of one row (one token to one destination) in the flex dispatch and combine
-            kernels (DeepEP, HybridEP: routing-map lookup, offsets, flags, per-row copies), expressed as the bytes
-            the link moves in the same time. The NVLink part of a pass with rows of ``b`` bytes runs at
-            ``b / (b + a2a_row_bytes)`` of its byte rate; ``nvlink`` is quoted at ``A2A_REF_ROW_BYTES`` (the rows
-            of its measurements), so other row sizes scale by :meth:`row_factor`.
+        a2a_row_s: the fixed time of one row (one token to one destination) in the flex dispatch and combine
+            kernels (DeepEP, HybridEP) on NVLink, on top of the time of its bytes. ``nvlink`` is quoted at rows of
+            ``A2A_REF_ROW_BYTES`` (the rows of its measurements), so rows of other sizes scale by
+            :meth:`row_factor`: smaller rows (a smaller hidden size, FP8) take longer per byte.
     """
 
     generation: str
@@ -59,7 +58,7 @@ class Efficiency:
     comm_sm_share: float
     gemm_k0: float = 0.0
     wgrad_fp8: float = 1.0
-    a2a_row_bytes: float = 0.0
+    a2a_row_s: float = 0.0
 
     def gemm(self, precision: str) -> float:
         return self.gemm_bf16 if precision in ("bf16", "fp32") else self.gemm_fp8
@@ -77,18 +76,19 @@ class Efficiency:
             return 1.0
         return (k / (k + k0)) / (GEMM_REF_K / (GEMM_REF_K + k0))
 
-    def row_factor(self, row_bytes: float) -> float:
-        """Time of an NVLink dispatch / combine pass of ``row_bytes``-byte rows relative to the same bytes in rows
-        of ``A2A_REF_ROW_BYTES``: ``(1 + r0 / b) / (1 + r0 / b_ref)`` with ``r0 = a2a_row_bytes`` (1 when it is
-        0). Smaller rows (a smaller hidden size, FP8 rows) take longer per byte.
+    def row_factor(self, row_bytes: float, rate: float) -> float:
+        """Time of an NVLink dispatch / combine pass of ``row_bytes``-byte rows relative to the same bytes moved at
+        ``rate`` (bytes/s: the link's rate times ``nvlink``, which holds for rows of ``A2A_REF_ROW_BYTES``):
+        ``1 + rate * a2a_row_s * (1 / row_bytes - 1 / A2A_REF_ROW_BYTES)``. That is the pass time
+        ``rows * (row_bytes / B + a2a_row_s)`` with the byte rate ``B`` set so that reference rows move at ``rate``
+        (1 when ``a2a_row_s`` is 0).
 
         Raises:
-            ValueError: ``row_bytes`` is not positive.
+            ValueError: ``row_bytes`` or ``rate`` is not positive.
         """
-        if row_bytes <= 0:
-            raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
-        r0 = self.a2a_row_bytes
-        return (1.0 + r0 / row_bytes) / (1.0 + r0 / A2A_REF_ROW_BYTES)
+        if row_bytes <= 0 or rate <= 0:
+            raise ValueError(f"row_bytes and rate must be > 0, got {row_bytes}, {rate}")
+        return 1.0 + rate * self.a2a_row_s * (1.0 / row_bytes - 1.0 / A2A_REF_ROW_BYTES)
 
     def to_dict(self) -> dict[str, float | str]:
         return asdict(self)
@@ -146,9 +146,9 @@ HOPPER = Efficiency(
     wgrad_fp8=0.70,
     # DeepEP V1's H800 intranode table (hidden 7,168, 4,096 tokens): FP8 dispatch rows of 7,392 bytes (7,168 + 56
     # FP32 scales) at 153 GB/s, BF16 combine rows of 14,336 bytes at 158 GB/s: 48.3 and 90.7 ns a row, i.e. a byte
-    # rate of 163.7 GB/s (the ~160 GB/s link) and 3.1 ns a row, 0.5 KB at that rate. (Dispatch and combine are
-    # different kernels; no Hopper table moves one kernel's rows at two sizes.)
-    a2a_row_bytes=500.0,
+    # rate of 163.7 GB/s (the ~160 GB/s link) plus 3.16 ns a row. (Dispatch and combine are different kernels; no
+    # Hopper table moves one kernel's NVLink rows at two sizes.)
+    a2a_row_s=3.16e-9,
 )
 
 #: Blackwell: B200, B300, GB200 NVL72, GB300 NVL72.
@@ -187,13 +187,13 @@ BLACKWELL = Efficiency(
     # rate at GEMM_REF_K and the weight gradient at 1.045: 2,486 expected, so 1,595 / 2,486 = 0.64. (torchao times
     # the pair's two passes alike, where the shape factor puts K = 2,048 20% below K = 7,168; the total matches.)
     wgrad_fp8=0.64,
-    # HybridEP on B200 with 16 SMs (deepseek-ai/DeepEP docs/README_Hybrid-EP.md, hybrid-ep branch; 4,096 tokens,
-    # hidden 7,168, top-8): the same tokens dispatched as FP8 rows of 7,392 bytes at 409.71 GB/s and as BF16 rows of
-    # 14,336 bytes at 535.94 GB/s: 18.04 and 26.75 ns a row, i.e. 797 GB/s and 8.77 ns a row. The recipes run it
-    # with 32 SMs; with the per-row work spread over twice the SMs (4.39 ns), the Megatron-LM GB200 guide's
-    # 32-block dispatch of 14,336-byte rows at 714.66 GB/s (20.06 ns a row) leaves 15.67 ns for the bytes: 915
-    # GB/s, the 900 GB/s link. 4.39 ns at 915 GB/s is 4.0 KB.
-    a2a_row_bytes=4000.0,
+    # HybridEP's GB200 table at the recipes' 32 SMs, kernel time (deepseek-ai/DeepEP docs/README_Hybrid-EP.md;
+    # 4,096 tokens, hidden 7,168, top-8): each EP size dispatches the same tokens as FP8 rows of 7,392 bytes (7,168 +
+    # 56 FP32 scales) and as BF16 rows of 14,336 bytes; the two rates give a byte rate (779-918 GB/s) and a time per
+    # row: 1.40 / 1.87 / 3.49 / 4.56 / 7.06 ns at EP 8 / 16 / 24 / 32 / 36, median 3.49 ns. Kernel time, not the
+    # table's Torch-API time (5.2-10.4 ns, byte rates 480-550 GB/s for BF16): Megatron's path reaches kernel rates
+    # (the Megatron-LM GB200 guide: 714.66 GB/s with 32 blocks), and so does ``nvlink`` (0.75 of 900 GB/s).
+    a2a_row_s=3.49e-9,
 )
 
 #: CPU (the local machine; rates measured by ``moetrain bench``, so these are relative to measurements).

@@ -510,10 +510,9 @@ def _a2a_pass_time(c: _Ctx, bytes_per_elem: float) -> float:
     nvl = c.n * rows_nvl * h * bytes_per_elem
     nic = c.n * rows_nic * h * bytes_per_elem
     if c.plan.resolved_dispatcher == "flex":
-        # DeepEP / HybridEP pay a fixed cost per row on NVLink (constants.Efficiency.a2a_row_bytes); NCCL moves
-        # each peer's rows as one buffer, and the RDMA tables show no row-size effect (DeepEP internode: FP8
-        # dispatch and BF16 combine at the same GB/s)
-        nvl *= c.eff.row_factor(h * bytes_per_elem)
+        # DeepEP / HybridEP pay a fixed time per row on NVLink (constants.Efficiency.a2a_row_s); NCCL moves each
+        # peer's rows as one buffer. RDMA passes are left at their byte rate (docs/performance-model.md).
+        nvl *= c.eff.row_factor(h * bytes_per_elem, c.nvl)
     t = max(nvl / c.nvl, nic / c.nic if nic else 0.0)
     return t * c.imb + c.a2a_lat
 
