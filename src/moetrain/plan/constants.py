@@ -100,8 +100,9 @@ class Efficiency:
 GEMM_REF_K = 8192.0
 
 #: Row size (bytes) at which the generations' ``nvlink`` efficiencies are quoted: a BF16 row of DeepSeek-V3's
-#: hidden size 7,168, the rows of the dispatch / combine measurements they come from (DeepEP's H800 table, the
-#: Megatron-LM GB200 guide's HybridEP figure). Other row sizes scale by :meth:`Efficiency.row_factor`.
+#: hidden size 7,168, the hidden size of the dispatch / combine measurements they come from (DeepEP's H800 table,
+#: whose dispatch rows are FP8 and combine rows BF16; the Megatron-LM GB200 guide's HybridEP figure). Other row
+#: sizes scale by :meth:`Efficiency.row_factor`.
 A2A_REF_ROW_BYTES = 7168 * 2.0
 
 #: Hopper: H100, H800, H200.

@@ -511,7 +511,7 @@ def _a2a_pass_time(c: _Ctx, bytes_per_elem: float) -> float:
     nic = c.n * rows_nic * h * bytes_per_elem
     if c.plan.resolved_dispatcher == "flex":
         # DeepEP / HybridEP pay a fixed time per row on NVLink (constants.Efficiency.a2a_row_s); NCCL moves each
-        # peer's rows as one buffer. RDMA passes are left at their byte rate (docs/performance-model.md).
+        # peer's rows as one buffer. RDMA passes keep their byte rate (docs/validation.md, this revision).
         nvl *= c.eff.row_factor(h * bytes_per_elem, c.nvl)
     t = max(nvl / c.nvl, nic / c.nic if nic else 0.0)
     return t * c.imb + c.a2a_lat
