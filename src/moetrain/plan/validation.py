@@ -568,16 +568,23 @@ def run(points: tuple[Point, ...] = POINTS) -> list[Row]:
     return rows
 
 
+def _group_stats(rows: list[Row]) -> dict[str, Any]:
+    """``points`` (all rows), ``predicted``, ``mae`` and ``mean_signed_error`` (None without a prediction) of one
+    group of rows."""
+    errs = [r.error for r in rows if r.error is not None]
+    return {"points": len(rows), "predicted": len(errs),
+            "mae": sum(abs(e) for e in errs) / len(errs) if errs else None,
+            "mean_signed_error": sum(errs) / len(errs) if errs else None}
+
+
 def by_release(rows: list[Row]) -> dict[str, dict[str, Any]]:
-    """Points, MAE and mean signed error per software release (:attr:`Point.release`), newest first."""
+    """Points, MAE, mean signed and largest error per software release (:attr:`Point.release`), newest first."""
     out: dict[str, dict[str, Any]] = {}
     rels = {r.point.release for r in rows}
     for rel in sorted((x for x in rels if x[:1].isdigit()), reverse=True) + sorted(x for x in rels if not x[:1].isdigit()):
-        errs = [r.error for r in rows if r.point.release == rel and r.error is not None]
-        out[rel] = {"points": sum(1 for r in rows if r.point.release == rel), "predicted": len(errs),
-                    "mae": sum(abs(e) for e in errs) / len(errs) if errs else None,
-                    "mean_signed_error": sum(errs) / len(errs) if errs else None,
-                    "max_abs_error": max(abs(e) for e in errs) if errs else None}
+        rs = [r for r in rows if r.point.release == rel]
+        errs = [abs(r.error) for r in rs if r.error is not None]
+        out[rel] = {**_group_stats(rs), "max_abs_error": max(errs) if errs else None}
     return out
 
 
@@ -586,10 +593,10 @@ def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
     DGX boards, Grace on NVL72), by GPU and by model -- the groupings that show where the error is
     (docs/validation.md, "Where the error is"). Rows without a prediction are left out of the errors, counted in
     ``points``."""
-    from moetrain.plan.hardware import get_gpu
+    from moetrain.plan.hardware import CATALOGUE
 
     keys = {"cuda_graphs": lambda pt: pt.plan.resolved_cuda_graphs,
-            "host": lambda pt: get_gpu(pt.gpu).host_cpu or "x86",
+            "host": lambda pt: CATALOGUE[pt.gpu].host_cpu or "x86",  # the catalogue's part, as in run()
             "gpu": lambda pt: pt.gpu,
             "model": lambda pt: pt.model}
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -597,12 +604,7 @@ def by_group(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
         groups: dict[str, list[Row]] = {}
         for r in rows:
             groups.setdefault(key(r.point), []).append(r)
-        out[name] = {}
-        for g, rs in sorted(groups.items()):
-            errs = [r.error for r in rs if r.error is not None]
-            out[name][g] = {"points": len(rs), "predicted": len(errs),
-                            "mae": sum(abs(e) for e in errs) / len(errs) if errs else None,
-                            "mean_signed_error": sum(errs) / len(errs) if errs else None}
+        out[name] = {g: _group_stats(rs) for g, rs in sorted(groups.items())}
     return out
 
 
@@ -704,11 +706,11 @@ def track_record(gpu: GPUSpec, cuda_graphs: str, model: str | None = None) -> di
     return out
 
 
-def repeats_bound(rows: list[Row]) -> dict[str, Any] | None:
-    """Over all points of :func:`repeats`: ``points``, ``best_mae`` (the MAE one prediction per plan could reach on
-    them, each group's ``min_mean_error`` weighted by its points) and ``model_mae`` (the model's MAE on the same
-    points); None when no plan is published twice."""
-    groups = repeats(rows)
+def repeats_bound(rows: list[Row], groups: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """Over all points of :func:`repeats` (``groups``, computed from ``rows`` when not given): ``points``,
+    ``best_mae`` (the MAE one prediction per plan could reach on them, each group's ``min_mean_error`` weighted by
+    its points) and ``model_mae`` (the model's MAE on the same points); None when no plan is published twice."""
+    groups = repeats(rows) if groups is None else groups
     if not groups:
         return None
     keys = {k for g in groups for k in g["keys"]}
@@ -725,10 +727,11 @@ def summary(rows: list[Row]) -> dict[str, Any]:
     mae = sum(errs) / len(errs) if errs else None
     worst = max(errs) if errs else None
     clean = [abs(r.error) for r in rows if r.error is not None and not r.point.inconsistent]
+    rep = repeats(rows)
     return {"points": len(rows), "predicted": len(errs), "mae": mae, "max_abs_error": worst,
             "mae_consistent_rows": sum(clean) / len(clean) if clean else None,
-            "by_release": by_release(rows), "by_group": by_group(rows), "repeats": repeats(rows),
-            "repeats_bound": repeats_bound(rows),
+            "by_release": by_release(rows), "by_group": by_group(rows), "repeats": rep,
+            "repeats_bound": repeats_bound(rows, rep),
             "mean_signed_error": (sum(r.error for r in rows if r.error is not None) / len(errs)) if errs else None,
             "mae_goal": MAE_GOAL, "max_goal": MAX_GOAL,
             "goal_met": bool(errs) and len(errs) == len(rows) and mae <= MAE_GOAL and worst <= MAX_GOAL}
