@@ -510,6 +510,12 @@ class DispatchStats:
     remote_bytes_sent: int = 0
     # The same timers by phase (PHASES): {phase: [a2a seconds, exposed seconds]}.
     by_phase: dict[str, list[float]] = field(default_factory=dict)
+    # Global MoE-layer index of the owning dispatcher (names its collectives in hang reports), when known.
+    layer: int | None = None
+    # False while the trainer runs a forward that is not training (validation): nothing is counted then.
+    recording: bool = True
+    # Device-timed collectives of the current step, read by settle(): (phase, () -> (a2a s, exposed s)).
+    unsettled: list[tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=list)
 
     #: Phases of an MoE layer's all-to-alls: the count exchange, the dispatch (token rows and their metadata), the
     #: combine, and the backward of dispatch and combine.
@@ -523,6 +529,18 @@ class DispatchStats:
         t = self.by_phase.setdefault(key, [0.0, 0.0])
         t[0] += a2a_s
         t[1] += exposed_s
+
+    def add_later(self, phase: str, read: Callable[[], tuple[float, float]]) -> None:
+        """Record a collective whose times are read later (CUDA events, ``moetrain.parallel.timing``): ``read()``
+        runs in :meth:`settle`, once the step's work has executed."""
+        self.unsettled.append((phase, read))
+
+    def settle(self) -> None:
+        """Add the collectives recorded with :meth:`add_later`. Call after a host synchronisation with the compute
+        stream (the end of a training step); their events must have completed."""
+        pending, self.unsettled = self.unsettled, []
+        for phase, read in pending:
+            self.add(phase, *read())
 
     def reset_timers(self) -> None:
         self.a2a_seconds = self.exposed_seconds = 0.0

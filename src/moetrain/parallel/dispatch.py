@@ -63,7 +63,7 @@ import torch.distributed as dist
 from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
                                 permute, unpermute)
 from moetrain.model.phases import carry, current_tape
-from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, name_collective_error
+from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
 from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
 
 #: Wire formats of the dispatched token rows (``parallel.dispatch_dtype``): "bf16" sends the rows in the
@@ -222,11 +222,9 @@ class _Fp8AllToAll(torch.autograd.Function):
         recv_scale = send_scale.new_empty((N,) + tuple(send_scale.shape[1:]))
         pendings = []
         for recv, send, name in ((recv_u8, send_u8, phase), (recv_scale, send_scale, f"{phase} (FP8 scales)")):
-            try:
-                work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
-            except RuntimeError as e:
-                raise name_collective_error(name, e) from e
-            pendings.append(Pending(work, name, stats))
+            pendings.append(issue(lambda r=recv, s=send: dist.all_to_all_single(r, s, out_splits, in_splits,
+                                                                                group=group, async_op=True),
+                                  name, stats, x.device, keep=(send, recv)))
         out = x.new_empty((N,) + tuple(x.shape[1:]))
         box.append(_Fp8Pending(pendings[0], pendings[1], recv_u8, recv_scale, out))
         return out
@@ -301,8 +299,16 @@ class AllToAllDispatcher:
         self.capacity = capacity or CapacityConfig()
         self.overlap = overlap
         self.dedup = dedup and self.capacity.factor is None
-        self.stats = DispatchStats()
-        self.layer = 0  # global MoE index, for phase labels (set by parallelize)
+        self.stats = DispatchStats(layer=0)
+
+    @property
+    def layer(self) -> int:
+        """Global MoE index of this layer (set by parallelize), for phase labels; kept in ``stats``."""
+        return self.stats.layer or 0
+
+    @layer.setter
+    def layer(self, index: int) -> None:
+        self.stats.layer = index
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                  meanwhile: Callable[[], Any] | None = None) -> _DispatchHandle | _DedupDispatchHandle:
@@ -447,6 +453,8 @@ class AllToAllDispatcher:
             tape.boundary(f"layer{self.layer} {phase}")
 
     def _count_rows(self, send_splits: list[int], x_SD: torch.Tensor) -> None:
+        if not self.stats.recording:
+            return
         self.stats.calls += 1
         self.stats.rows_sent += sum(send_splits)
         self.stats.remote_rows_sent += sum(send_splits) - send_splits[self.ep_rank]

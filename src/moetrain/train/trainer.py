@@ -85,6 +85,9 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
     from moetrain.model.transformer import IGNORE_INDEX
 
     model.train(False)
+    dispatch_stats = [m.dispatcher.stats for _, m in model.moe_layers()]
+    for st in dispatch_stats:  # validation's all-to-alls are not the training step's
+        st.recording = False
     total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
                iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size, ctx.data_rank,
@@ -128,6 +131,8 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
     if ctx.distributed:
         dist.all_reduce(total)
     model.train(True)
+    for st in dispatch_stats:
+        st.recording = True
     return float(total[0] / total[1].clamp(min=1))
 
 
