@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import time
 from typing import Any
 
 import torch
 
+from moetrain.parallel.comm import named_phase
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import init_parallel
 
@@ -89,3 +91,23 @@ def event_timing_train_run(pcfg_kwargs: dict) -> dict:
     from .workers import train_run
     out = train_run(pcfg_kwargs, steps=2)
     return {"comm": out["comm"], "reads": api.elapsed_reads, "losses": out["losses"]}
+
+
+def hang_in_counts_run(report_after_s: float, late_s: float) -> dict:
+    """Rank 1 enters the MoE layer ``late_s`` late (long after rank 0's monitor reports, but before any timeout):
+    rank 0's monitor must name the count exchange of MoE layer 0, then see progress again."""
+    from moetrain.parallel.hang import HangMonitor
+
+    from .workers import tiny_test_config
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(ep=2, timeout_s=60), cfg.n_routed_experts)
+    layer = _ep2_layer(ctx, cfg)
+    out = io.StringIO()
+    with HangMonitor(ctx.rank, report_after_s, timeout_s=60, out=out, poll_s=0.05) as monitor:
+        if ctx.rank == 1:
+            time.sleep(late_s)
+        with named_phase("forward (FSDP parameter all-gather or expert dispatch)"):
+            y, _ = layer(torch.randn(1, 8, cfg.dim))
+        time.sleep(4 * 0.05)  # one more look, to see the progress
+    return {"reports": monitor.reports, "printed": out.getvalue()}

@@ -9,6 +9,8 @@ Timing (``moetrain.parallel.timing``): a2a seconds = issue -> completion, expose
 compute waited for. On a GPU both come from CUDA events -- the collective is bracketed on a communication stream of
 its own, the wait on the compute stream -- and are read once per step (:meth:`DispatchStats.settle`); on a CPU
 (gloo) from the host clock, at once. With nothing to overlap the two are equal.
+
+A hang: every wait is a phase of :mod:`moetrain.parallel.hang`'s monitor, which names it if it does not end.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import DispatchStats
+from moetrain.parallel.hang import in_phase
 from moetrain.parallel.timing import EventCommTimer, WallCommTimer, comm_timer
 
 
@@ -44,9 +47,11 @@ def name_collective_error(phase: str, e: BaseException) -> CollectiveError:
 def named_phase(phase: str, distributed: bool = True) -> Iterator[None]:
     """Re-raise a collective failure inside the block (FSDP's all-gathers and reduce-scatters, any torch.distributed
     call) as a :class:`CollectiveError` naming ``phase``; errors that are not communication failures pass through.
-    A CollectiveError raised deeper (it already names its phase, e.g. dispatch) is kept as it is."""
+    A CollectiveError raised deeper (it already names its phase, e.g. dispatch) is kept as it is. The block is also
+    a phase of the hang monitor (:func:`moetrain.parallel.hang.in_phase`)."""
     try:
-        yield
+        with in_phase(phase):
+            yield
     except CollectiveError:
         raise
     except RuntimeError as e:
@@ -69,6 +74,7 @@ class Pending:
     phase: str
     stats: DispatchStats | None
     keep: tuple = ()
+    label: str = ""
     waited: bool = False
 
     def wait(self, exposed_from_issue: bool = False) -> None:
@@ -76,10 +82,11 @@ class Pending:
         synchronous use), so the whole duration counts as exposed."""
         if self.waited:
             return
-        try:
-            read = self.timer.wait(self.token, exposed_from_issue)
-        except RuntimeError as e:
-            raise name_collective_error(self.phase, e) from e
+        with in_phase(f"{self.phase}{self.label}"):
+            try:
+                read = self.timer.wait(self.token, exposed_from_issue)
+            except RuntimeError as e:
+                raise name_collective_error(self.phase, e) from e
         stats = self.stats
         if stats is not None and stats.recording:
             if self.timer.deferred:
@@ -98,7 +105,8 @@ def issue(launch: Callable[[], Any], phase: str, stats: DispatchStats | None, de
         token = timer.issue(launch)
     except RuntimeError as e:
         raise name_collective_error(phase, e) from e
-    return Pending(timer, token, phase, stats, keep)
+    label = f", MoE layer {stats.layer}" if stats is not None and stats.layer is not None else ""
+    return Pending(timer, token, phase, stats, keep, label)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -64,6 +64,7 @@ from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, cap
                                 permute, unpermute)
 from moetrain.model.phases import carry, current_tape
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
+from moetrain.parallel.hang import in_phase
 from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
 
 #: Wire formats of the dispatched token rows (``parallel.dispatch_dtype``): "bf16" sends the rows in the
@@ -321,8 +322,9 @@ class AllToAllDispatcher:
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
         x_later, weight_later = carry(x_SD), carry(pstate.row_weight_S)  # read after the count exchange
         send_counts_RE = counts_E.view(R, El)
-        recv_counts_RE = self._exchange_counts(send_counts_RE, meanwhile)
-        splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
+        with in_phase(f"dispatch (counts), MoE layer {self.layer}"):
+            recv_counts_RE = self._exchange_counts(send_counts_RE, meanwhile)
+            splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
         rows_N, pending = self._all_to_all(x_later(), recv_splits, send_splits, "dispatch", rows=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
@@ -366,9 +368,11 @@ class AllToAllDispatcher:
         assign_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(
             0, topk_idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
         counts_RC = torch.cat([mask_RT.sum(dim=1, keepdim=True), assign_E.view(R, El)], dim=1)
-        recv_counts_RC = self._exchange_counts(counts_RC, meanwhile)
-        send_splits, recv_splits, recv_assign = torch.stack(
-            [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
+        # A hang in the exchange stops the host at this sync on NCCL (on gloo in its wait): the phase it names.
+        with in_phase(f"dispatch (counts), MoE layer {self.layer}"):
+            recv_counts_RC = self._exchange_counts(counts_RC, meanwhile)
+            send_splits, recv_splits, recv_assign = torch.stack(
+                [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
         S = sum(send_splits)
         # Rows in (destination rank, token) order without nonzero(): a stable sort of the negated mask puts the S
         # selected pairs first, in their original rank-major order; S is already on the host.

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
 from moetrain.parallel import mesh
+from moetrain.parallel.hang import last_stall
 from moetrain.errors import CheckpointError
 from moetrain.train.checkpoint import latest_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.stopping import StopRequest, clear_stop_file
@@ -205,6 +207,10 @@ def _failure_message(e: Any, job: JobConfig) -> str:
         reason = msg.removeprefix("WorkerFailure: ").splitlines()[0]
     elif first.exitcode < 0:
         reason = f"rank {rank} was killed by signal {-first.exitcode}"
+        # NCCL's watchdog aborts (SIGABRT) a process whose collective timed out; the hang monitor named the phase
+        stall = last_stall(Path(job.train.out_dir) / "logs" / f"rank-{rank}.log")
+        if stall is not None:
+            reason += f", after: {stall}"
     else:
         reason = f"rank {rank} exited with code {first.exitcode}" + (f": {msg.splitlines()[-1]}" if msg else "")
     if "checkpoint" in reason:  # the worker's own message already says where to go on from
