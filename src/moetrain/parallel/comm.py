@@ -67,7 +67,8 @@ class Pending:
 
     ``keep``: tensors the collective reads or writes, held until the compute has waited for it. NCCL may release its
     own references at the (communication-stream) wait of issue time (``TORCH_NCCL_AVOID_RECORD_STREAMS``), and a
-    send buffer freed then could be reused by compute while the transfer still reads it."""
+    send buffer freed then could be reused by compute while the transfer still reads it. ``label``: appended to the
+    phase in hang reports (", MoE layer L")."""
 
     timer: WallCommTimer | EventCommTimer
     token: Any
@@ -99,7 +100,16 @@ class Pending:
 def issue(launch: Callable[[], Any], phase: str, stats: DispatchStats | None, device: torch.device,
           keep: tuple = ()) -> Pending:
     """Start the collective ``launch()`` (an ``async_op=True`` torch.distributed call returning its work) with the
-    timer of ``device`` (:func:`moetrain.parallel.timing.comm_timer`). Raises CollectiveError naming ``phase``."""
+    timer of ``device``, where its tensors live (:func:`moetrain.parallel.timing.comm_timer`: CUDA events on a GPU).
+
+    Args:
+        phase: its name in timers (a ``DispatchStats.PHASES`` key, see ``phase_key``), errors and hang reports.
+        stats: where ``wait()`` records its seconds (None: not recorded).
+        keep: the tensors it reads and writes, held until the compute has waited for it.
+
+    Raises:
+        CollectiveError: the launch failed; names ``phase``.
+    """
     timer = comm_timer(device)
     try:
         token = timer.issue(launch)
