@@ -86,7 +86,8 @@ def check_event_timer(dev: torch.device) -> None:
         stats.settle()
         total, exposed = 1e3 * stats.a2a_seconds, 1e3 * stats.exposed_seconds
         ok = torch.equal(out, x) and total > 0 and (not gpu or deferred == 1)
-        ok = ok and (exposed < 0.5 * total if hide else exposed > 0.9 * total)
+        # (gloo at world 1 copies inside the issue call, which counts as exposed: nothing to hide on a CPU)
+        ok = ok and (not gpu or (exposed < 0.5 * total if hide else exposed > 0.9 * total))
         report(f"event timer, {'behind matmuls' if hide else 'waited at once'}", ok,
                f"a2a {total:.3f} ms ({2 * x.nbytes / total / 1e6:.0f} GB/s read+write), exposed {exposed:.3f} ms, "
                f"host time of the issue {host_ms:.3f} ms, deferred readings {deferred}")
