@@ -106,6 +106,7 @@ def _rank_work(rank: int, s: Settings, configs: list, patches: list) -> list[dic
         y.backward(gy)
         if s.device == "cuda":
             torch.cuda.synchronize()
+        moe.dispatcher.stats.settle()  # CUDA-event timings are read once the step has run
 
     n_warm, n_rounds = (1, 4) if s.quick else (2, 24)
     for run in runs:

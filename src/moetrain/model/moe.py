@@ -389,6 +389,14 @@ class CapacityConfig:
             raise ValueError(f"capacity drop policy={self.policy!r}; allowed: 'probs', 'position'")
 
 
+def count_values(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in ``idx`` (int64, values in [0, n)): int64 (n,), the result of
+    ``torch.bincount(idx, minlength=n)`` without its host synchronisation -- CUDA's bincount reads the input's
+    minimum and maximum on the host, which would stop the host at every MoE layer."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def capacity_keep_mask(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, n_experts: int,
                        cap: CapacityConfig) -> tuple[torch.Tensor | None, int]:
     """Which assignments survive the capacity limit. Returns (keep_TK bool or None when dropless, capacity)."""
@@ -404,7 +412,7 @@ def capacity_keep_mask(topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor, 
     # Sort by (expert, priority); rank within expert = position - start of expert's run.
     order = torch.argsort(priority, stable=True)
     order = order[torch.argsort(flat_e[order], stable=True)]
-    counts_E = torch.bincount(flat_e, minlength=n_experts)
+    counts_E = count_values(flat_e, n_experts)
     starts_E = counts_E.cumsum(0) - counts_E
     rank_in_expert = torch.empty_like(flat_e)
     rank_in_expert[order] = torch.arange(T * K, device=flat_e.device) - starts_E[flat_e[order]]
@@ -432,7 +440,7 @@ def permute(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch
     if keep_TK is not None:
         flat_e = torch.where(keep_TK.reshape(-1), flat_e, torch.full_like(flat_e, n_experts))
     order_S = torch.argsort(flat_e, stable=True)
-    counts_E = torch.bincount(flat_e, minlength=n_experts + 1)[:n_experts]
+    counts_E = count_values(flat_e, n_experts + 1)[:n_experts]
     if keep_TK is not None:
         order_S = order_S[: int(keep_TK.sum())]  # host sync: number of kept rows (capacity mode only)
     row_token_S = order_S // K
@@ -502,6 +510,12 @@ class DispatchStats:
     remote_bytes_sent: int = 0
     # The same timers by phase (PHASES): {phase: [a2a seconds, exposed seconds]}.
     by_phase: dict[str, list[float]] = field(default_factory=dict)
+    # Global MoE-layer index of the owning dispatcher (names its collectives in hang reports), when known.
+    layer: int | None = None
+    # False while the trainer runs a forward that is not training (validation): nothing is counted then.
+    recording: bool = True
+    # Device-timed collectives of the current step, read by settle(): (phase, () -> (a2a s, exposed s)).
+    unsettled: list[tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=list)
 
     #: Phases of an MoE layer's all-to-alls: the count exchange, the dispatch (token rows and their metadata), the
     #: combine, and the backward of dispatch and combine.
@@ -515,6 +529,18 @@ class DispatchStats:
         t = self.by_phase.setdefault(key, [0.0, 0.0])
         t[0] += a2a_s
         t[1] += exposed_s
+
+    def add_later(self, phase: str, read: Callable[[], tuple[float, float]]) -> None:
+        """Record a collective whose times are read later (CUDA events, ``moetrain.parallel.timing``): ``read()``
+        runs in :meth:`settle`, once the step's work has executed."""
+        self.unsettled.append((phase, read))
+
+    def settle(self) -> None:
+        """Add the collectives recorded with :meth:`add_later`. Call after a host synchronisation with the compute
+        stream (the end of a training step); their events must have completed."""
+        pending, self.unsettled = self.unsettled, []
+        for phase, read in pending:
+            self.add(phase, *read())
 
     def reset_timers(self) -> None:
         self.a2a_seconds = self.exposed_seconds = 0.0
@@ -564,7 +590,8 @@ def pad_to_capacity(x_SD: torch.Tensor, counts_E: torch.Tensor, capacity: int
     (E*capacity, D), counts of ``capacity`` per expert, and the index of every real row in the padded layout."""
     E = counts_E.shape[0]
     starts = counts_E.cumsum(0) - counts_E
-    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_SD.device), counts_E)
+    # output_size: the row count is known on the host (without it, CUDA reads the counts' sum there)
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_SD.device), counts_E, output_size=x_SD.shape[0])
     slot_S = expert_of_row * capacity + (torch.arange(x_SD.shape[0], device=x_SD.device) - starts[expert_of_row])
     padded = x_SD.new_zeros(E * capacity, x_SD.shape[-1]).index_copy(0, slot_S, x_SD)
     return padded, torch.full_like(counts_E, capacity), slot_S
@@ -618,7 +645,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             idx = r.topk_idx_TK.reshape(-1)
             if valid_T is None:
-                counts_E = torch.bincount(idx, minlength=self.gate.n_experts)
+                counts_E = count_values(idx, self.gate.n_experts)
             else:  # padding is routed (shapes stay static) but not counted in the loads that steer the biases
                 keep = valid_T.unsqueeze(1).expand_as(r.topk_idx_TK).reshape(-1).long()
                 counts_E = torch.zeros(self.gate.n_experts, dtype=torch.long, device=idx.device).scatter_add_(

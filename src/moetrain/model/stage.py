@@ -90,7 +90,8 @@ class StageStats:
         self.loads[moe_index] = self.loads[moe_index] + c if moe_index in self.loads else c.clone()
         b = s.balance_loss_sum.detach().double()
         self.balance_sum = b if self.balance_sum is None else self.balance_sum + b
-        d = torch.as_tensor(s.dropped, device=b.device).detach().double()
+        # A Python count is written with a fill, not copied from the host (a blocking copy on a GPU, per layer).
+        d = s.dropped.detach().double() if isinstance(s.dropped, torch.Tensor) else b.new_full((), s.dropped)
         self.dropped = d if self.dropped is None else self.dropped + d
 
 

@@ -2,23 +2,29 @@
 
 ``all_to_all`` starts an uneven ``all_to_all_single`` asynchronously and returns the output buffer together with a
 :class:`Pending` handle; the caller must ``wait()`` before touching the output. That split is what lets the MoE
-layer compute while tokens are in flight. Backward runs the reverse all-to-all (splits swapped) synchronously.
+layer compute while tokens are in flight. Backward runs the reverse all-to-all (splits swapped) and waits for it at
+once.
 
-Timing: a2a seconds = issue -> completion (stamped by a callback on the work's future), exposed seconds = time the
-caller spent blocked in ``wait()``. With nothing to overlap the two are equal.
+Timing (``moetrain.parallel.timing``): a2a seconds = issue -> completion, exposed seconds = the part of it the
+compute waited for. On a GPU both come from CUDA events -- the collective is bracketed on a communication stream of
+its own, the wait on the compute stream -- and are read once per step (:meth:`DispatchStats.settle`); on a CPU
+(gloo) from the host clock, at once. With nothing to overlap the two are equal.
+
+A hang: every wait is a phase of :mod:`moetrain.parallel.hang`'s monitor, which names it if it does not end.
 """
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import DispatchStats
+from moetrain.parallel.hang import in_phase
+from moetrain.parallel.timing import EventCommTimer, WallCommTimer, comm_timer
 
 
 class CollectiveError(RuntimeError):
@@ -41,9 +47,11 @@ def name_collective_error(phase: str, e: BaseException) -> CollectiveError:
 def named_phase(phase: str, distributed: bool = True) -> Iterator[None]:
     """Re-raise a collective failure inside the block (FSDP's all-gathers and reduce-scatters, any torch.distributed
     call) as a :class:`CollectiveError` naming ``phase``; errors that are not communication failures pass through.
-    A CollectiveError raised deeper (it already names its phase, e.g. dispatch) is kept as it is."""
+    A CollectiveError raised deeper (it already names its phase, e.g. dispatch) is kept as it is. The block is also
+    a phase of the hang monitor (:func:`moetrain.parallel.hang.in_phase`)."""
     try:
-        yield
+        with in_phase(phase):
+            yield
     except CollectiveError:
         raise
     except RuntimeError as e:
@@ -54,43 +62,61 @@ def named_phase(phase: str, distributed: bool = True) -> Iterator[None]:
 
 @dataclass
 class Pending:
-    """An in-flight collective. ``wait()`` blocks, then records a2a and exposed time into ``stats``."""
+    """An in-flight collective. ``wait()`` makes the caller's compute wait for it (on a GPU without blocking the
+    host), then records its a2a and exposed time into ``stats``.
 
-    work: Any
+    ``keep``: tensors the collective reads or writes, held until the compute has waited for it. NCCL may release its
+    own references at the (communication-stream) wait of issue time (``TORCH_NCCL_AVOID_RECORD_STREAMS``), and a
+    send buffer freed then could be reused by compute while the transfer still reads it. ``label``: appended to the
+    phase in hang reports (", MoE layer L")."""
+
+    timer: WallCommTimer | EventCommTimer
+    token: Any
     phase: str
     stats: DispatchStats | None
-    t_issue: float = field(default_factory=time.perf_counter)
-    t_done: list[float] = field(default_factory=list)
+    keep: tuple = ()
+    label: str = ""
     waited: bool = False
 
-    def __post_init__(self) -> None:
-        if self.work is not None:
-            try:
-                self.work.get_future().then(lambda _f: self.t_done.append(time.perf_counter()))
-            except (RuntimeError, AttributeError):
-                pass  # some backends offer no future; fall back to wait-time only
-
     def wait(self, exposed_from_issue: bool = False) -> None:
-        """Block until done. ``exposed_from_issue``: the caller did no useful work since issuing (a synchronous
-        use), so the whole duration counts as exposed."""
+        """Wait for the collective. ``exposed_from_issue``: the caller did no useful work since issuing (a
+        synchronous use), so the whole duration counts as exposed."""
         if self.waited:
             return
-        t0 = self.t_issue if exposed_from_issue else time.perf_counter()
-        if self.work is not None:
+        with in_phase(f"{self.phase}{self.label}"):
             try:
-                self.work.wait()
+                read = self.timer.wait(self.token, exposed_from_issue)
             except RuntimeError as e:
                 raise name_collective_error(self.phase, e) from e
-        t1 = time.perf_counter()
-        if self.stats is not None:
-            # If the work finished before we started waiting, its duration is issue -> completion callback;
-            # otherwise it ended while we waited (t1 bounds it; the callback may run late). So exposed <= total.
-            done = self.t_done[0] if self.t_done and self.t_done[0] < t0 else t1
-            total = done - self.t_issue
-            # A transfer done before the wait began costs only the wait call itself, which can exceed the
-            # callback-stamped duration by microseconds: exposed never exceeds the transfer.
-            self.stats.add(self.phase, total, min(t1 - t0, total))
-        self.work, self.waited = None, True
+        stats = self.stats
+        if stats is not None and stats.recording:
+            if self.timer.deferred:
+                stats.add_later(self.phase, read)
+            else:
+                stats.add(self.phase, *read())
+        self.token, self.keep, self.waited = None, (), True
+
+
+def issue(launch: Callable[[], Any], phase: str, stats: DispatchStats | None, device: torch.device,
+          keep: tuple = ()) -> Pending:
+    """Start the collective ``launch()`` (an ``async_op=True`` torch.distributed call returning its work) with the
+    timer of ``device``, where its tensors live (:func:`moetrain.parallel.timing.comm_timer`: CUDA events on a GPU).
+
+    Args:
+        phase: its name in timers (a ``DispatchStats.PHASES`` key, see ``phase_key``), errors and hang reports.
+        stats: where ``wait()`` records its seconds (None: not recorded).
+        keep: the tensors it reads and writes, held until the compute has waited for it.
+
+    Raises:
+        CollectiveError: the launch failed; names ``phase``.
+    """
+    timer = comm_timer(device)
+    try:
+        token = timer.issue(launch)
+    except RuntimeError as e:
+        raise name_collective_error(phase, e) from e
+    label = f", MoE layer {stats.layer}" if stats is not None and stats.layer is not None else ""
+    return Pending(timer, token, phase, stats, keep, label)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,23 +129,17 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.phase, ctx.stats = group, out_splits, in_splits, phase, stats
         x = x.contiguous()
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        try:
-            work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
-        except RuntimeError as e:
-            raise name_collective_error(phase, e) from e
-        box.append(Pending(work, phase, stats))
+        box.append(issue(lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True),
+                         phase, stats, x.device, keep=(x, out)))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         grad = grad.contiguous()
         out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        phase = f"{ctx.phase} backward"
-        try:
-            work = dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group, async_op=True)
-        except RuntimeError as e:
-            raise name_collective_error(phase, e) from e
-        Pending(work, phase, ctx.stats).wait(exposed_from_issue=True)
+        issue(lambda: dist.all_to_all_single(out, grad, ctx.in_splits, ctx.out_splits, group=ctx.group,
+                                             async_op=True),
+              f"{ctx.phase} backward", ctx.stats, grad.device, keep=(grad, out)).wait(exposed_from_issue=True)
         return out, None, None, None, None, None, None
 
 
@@ -135,14 +155,12 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 def all_to_all_counts(counts: torch.Tensor, group: Any, phase: str, stats: DispatchStats | None,
                       meanwhile: Callable[[], Any] | None = None) -> torch.Tensor:
     """Exchange per-destination counts (equal splits, not differentiable). counts: (EP, ...). Returns when the
-    exchange is done; ``meanwhile`` (if given) runs while it is in flight, and only the wait after it counts as
-    exposed."""
+    exchange is done (on a GPU: the compute stream waits for it); ``meanwhile`` (if given) runs while it is in
+    flight, and only the wait after it counts as exposed."""
     out = torch.empty_like(counts)
-    try:
-        work = dist.all_to_all_single(out, counts.contiguous(), group=group, async_op=True)
-    except RuntimeError as e:
-        raise name_collective_error(phase, e) from e
-    pending = Pending(work, phase, stats)
+    src = counts.contiguous()
+    pending = issue(lambda: dist.all_to_all_single(out, src, group=group, async_op=True), phase, stats,
+                    counts.device, keep=(src, out))
     if meanwhile is not None:
         meanwhile()
     pending.wait(exposed_from_issue=meanwhile is None)

@@ -63,7 +63,8 @@ import torch.distributed as dist
 from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
                                 permute, unpermute)
 from moetrain.model.phases import carry, current_tape
-from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, name_collective_error
+from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
+from moetrain.parallel.hang import in_phase
 from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
 
 #: Wire formats of the dispatched token rows (``parallel.dispatch_dtype``): "bf16" sends the rows in the
@@ -222,11 +223,9 @@ class _Fp8AllToAll(torch.autograd.Function):
         recv_scale = send_scale.new_empty((N,) + tuple(send_scale.shape[1:]))
         pendings = []
         for recv, send, name in ((recv_u8, send_u8, phase), (recv_scale, send_scale, f"{phase} (FP8 scales)")):
-            try:
-                work = dist.all_to_all_single(recv, send, out_splits, in_splits, group=group, async_op=True)
-            except RuntimeError as e:
-                raise name_collective_error(name, e) from e
-            pendings.append(Pending(work, name, stats))
+            pendings.append(issue(lambda r=recv, s=send: dist.all_to_all_single(r, s, out_splits, in_splits,
+                                                                                group=group, async_op=True),
+                                  name, stats, x.device, keep=(send, recv)))
         out = x.new_empty((N,) + tuple(x.shape[1:]))
         box.append(_Fp8Pending(pendings[0], pendings[1], recv_u8, recv_scale, out))
         return out
@@ -301,8 +300,16 @@ class AllToAllDispatcher:
         self.capacity = capacity or CapacityConfig()
         self.overlap = overlap
         self.dedup = dedup and self.capacity.factor is None
-        self.stats = DispatchStats()
-        self.layer = 0  # global MoE index, for phase labels (set by parallelize)
+        self.stats = DispatchStats(layer=0)
+
+    @property
+    def layer(self) -> int:
+        """Global MoE index of this layer (set by parallelize), for phase labels; kept in ``stats``."""
+        return self.stats.layer or 0
+
+    @layer.setter
+    def layer(self, index: int) -> None:
+        self.stats.layer = index
 
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                  meanwhile: Callable[[], Any] | None = None) -> _DispatchHandle | _DedupDispatchHandle:
@@ -315,8 +322,9 @@ class AllToAllDispatcher:
         x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
         x_later, weight_later = carry(x_SD), carry(pstate.row_weight_S)  # read after the count exchange
         send_counts_RE = counts_E.view(R, El)
-        recv_counts_RE = self._exchange_counts(send_counts_RE, meanwhile)
-        splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
+        with in_phase(f"dispatch (counts), MoE layer {self.layer}"):
+            recv_counts_RE = self._exchange_counts(send_counts_RE, meanwhile)
+            splits = torch.stack([send_counts_RE.sum(dim=1), recv_counts_RE.sum(dim=1)]).tolist()  # host sync #1
         send_splits, recv_splits = splits
         rows_N, pending = self._all_to_all(x_later(), recv_splits, send_splits, "dispatch", rows=True)
         regroup_N = _regroup_index(recv_counts_RE, sum(recv_splits))
@@ -360,9 +368,11 @@ class AllToAllDispatcher:
         assign_E = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(
             0, topk_idx_TK.reshape(-1), torch.ones(T * K, dtype=torch.int64, device=dev))
         counts_RC = torch.cat([mask_RT.sum(dim=1, keepdim=True), assign_E.view(R, El)], dim=1)
-        recv_counts_RC = self._exchange_counts(counts_RC, meanwhile)
-        send_splits, recv_splits, recv_assign = torch.stack(
-            [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
+        # A hang in the exchange stops the host at this sync on NCCL (on gloo in its wait): the phase it names.
+        with in_phase(f"dispatch (counts), MoE layer {self.layer}"):
+            recv_counts_RC = self._exchange_counts(counts_RC, meanwhile)
+            send_splits, recv_splits, recv_assign = torch.stack(
+                [counts_RC[:, 0], recv_counts_RC[:, 0], recv_counts_RC[:, 1:].sum(dim=1)]).tolist()  # the host sync
         S = sum(send_splits)
         # Rows in (destination rank, token) order without nonzero(): a stable sort of the negated mask puts the S
         # selected pairs first, in their original rank-major order; S is already on the host.
@@ -447,6 +457,8 @@ class AllToAllDispatcher:
             tape.boundary(f"layer{self.layer} {phase}")
 
     def _count_rows(self, send_splits: list[int], x_SD: torch.Tensor) -> None:
+        if not self.stats.recording:
+            return
         self.stats.calls += 1
         self.stats.rows_sent += sum(send_splits)
         self.stats.remote_rows_sent += sum(send_splits) - send_splits[self.ep_rank]

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
 MESH_DIMS = ("pp", "dp", "ep")
@@ -144,6 +145,12 @@ class ParallelContext:
         return ExpertPlacement(n_experts, self.pcfg.ep, self.ep_rank)
 
 
+def visible_gpus() -> int:
+    """The CUDA devices this process may use (``CUDA_VISIBLE_DEVICES`` applied). The one place moetrain reads the
+    count (the launcher's checks and default worker count, the workers' device choice)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -175,7 +182,8 @@ def build_mesh(device_type: str, pp: int, dp: int, ep: int, timeout_s: float | N
 
 def group_timeout(group: Any) -> datetime.timedelta:
     """The timeout a process group was created with (for tests and diagnostics)."""
-    return group._get_backend(torch.device("cpu")).options._timeout
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    return group._get_backend(device).options._timeout
 
 
 def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | None = None) -> ParallelContext:
@@ -187,7 +195,8 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
         device: "cpu", "cuda" or None (cuda when available).
 
     Raises:
-        ConfigError: sizes inconsistent with the world (see ParallelConfig.resolve).
+        ConfigError: sizes inconsistent with the world (see ParallelConfig.resolve); on CUDA, a local rank without
+            a GPU of its own.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -195,8 +204,14 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     pcfg = pcfg.resolve(world, n_routed_experts)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # One GPU per local rank, with its index: NCCL's eager init refuses a device_id without one.
     dev = torch.device(device, local_rank) if device == "cuda" else torch.device(device)
     if dev.type == "cuda":
+        n_gpus = visible_gpus()
+        if local_rank >= n_gpus:
+            raise ConfigError(f"local rank {local_rank} needs GPU cuda:{local_rank}, but {n_gpus} GPU(s) are "
+                              f"visible on this machine; start at most {n_gpus} worker processes per machine "
+                              f"(--nproc / torchrun --nproc-per-node)")
         torch.cuda.set_device(dev)
     if "RANK" not in os.environ:
         return ParallelContext(0, 1, 0, dev, pcfg)

@@ -34,6 +34,14 @@ def _fsdp_modules(module: torch.nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state. torch 2.11 keeps one (``_fsdp_param_group``, or None); later
+    versions a list (``_fsdp_param_groups``) and the single one as a property, valid while a state has at most one
+    group -- always here: moetrain's ``shard_placement_fn`` returns plain placements, no per-parameter meshes."""
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
+
+
 def defer_fsdp_reduction(module: torch.nn.Module) -> None:
     """Keep gradients unsharded and accumulating, and parameters gathered, across the many backward calls of a
     step (no-op for a module without FSDP)."""
@@ -55,7 +63,7 @@ def finish_fsdp_reduction(module: torch.nn.Module) -> None:
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     for s in state._state_ctx.all_states:
-        for group in s._fsdp_param_groups:
+        for group in _param_groups(s):
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -76,7 +84,7 @@ def keep_fsdp_forward_state(module: torch.nn.Module) -> Iterator[None]:
     root = fully_shard.state(module)  # type: ignore[attr-defined]
     ctx = root._state_ctx
     states = [(s, s._training_state) for s in ctx.all_states if s._training_state == TrainingState.FORWARD]
-    groups = [(g, g._training_state) for s in ctx.all_states for g in s._fsdp_param_groups
+    groups = [(g, g._training_state) for s in ctx.all_states for g in _param_groups(s)
               if g._training_state == TrainingState.FORWARD]
     forward_root = ctx.iter_forward_root
     try:

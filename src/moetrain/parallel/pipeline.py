@@ -13,7 +13,6 @@ last stages (embedding and head) share rank 0.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch
@@ -24,6 +23,7 @@ from moetrain.model.stage import StageSpec, TransformerStage
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import V_SCHEDULES, ParallelConfig
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.parallel.timing import clock_for
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
@@ -207,30 +207,42 @@ def is_duplicate(part: TransformerStage, name: str) -> bool:
 # ---- schedules -------------------------------------------------------------------------------------------------
 
 def _timed(cls: type) -> type:
-    """A ``PipelineStage`` subclass adding up the seconds this rank spends computing (forward, backward and
+    """A ``PipelineStage`` subclass recording the intervals this rank spends computing (forward, backward and
     weight-backward of its micro-batches); the rest of a schedule step is waiting for the neighbouring stages and
-    sending to them: the bubble."""
+    sending to them: the bubble.
+
+    The intervals are points of :func:`moetrain.parallel.timing.clock_for` -- CUDA events on the compute stream on a
+    GPU, host time on a CPU -- kept in ``spans`` and read once the step has executed (:meth:`compute_seconds`): no
+    host synchronisation per chunk, which would stop the host from queueing the next chunk's work and the
+    communication of one chunk from overlapping the compute of the next. A chunk's interval starts after its input
+    arrived (the schedule waits for the receive before calling the chunk; on a GPU that wait is on the compute
+    stream, before the first event)."""
 
     depth = [0]  # an OVERLAP_F_B runs one stage's forward inside another's backward: time the outer call only
 
     class Timed(cls):  # type: ignore[misc, valid-type]
-        compute_s = 0.0
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.spans: list[tuple[Any, Any]] = []
 
         def _time(self, fn: Callable, *a: Any, **k: Any) -> Any:
             if depth[0]:
                 return fn(*a, **k)
-            sync = self.device.type == "cuda"
-            if sync:
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
+            clock = clock_for(self.device)
+            t0 = clock.mark()
             depth[0] += 1
             try:
                 return fn(*a, **k)
             finally:
                 depth[0] -= 1
-                if sync:
-                    torch.cuda.synchronize(self.device)
-                self.compute_s += time.perf_counter() - t0
+                self.spans.append((t0, clock.mark()))
+
+        def compute_seconds(self) -> float:
+            """Seconds of the recorded intervals, which are then cleared. On a GPU only after the host synchronised
+            with the compute stream past the last of them (the end of a training step)."""
+            clock = clock_for(self.device)
+            spans, self.spans = self.spans, []
+            return sum(clock.seconds(a, b) for a, b in spans)
 
         def forward_one_chunk(self, *a: Any, **k: Any) -> Any:
             return self._time(super().forward_one_chunk, *a, **k)

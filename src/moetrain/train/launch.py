@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from moetrain.data import prepare_data
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
+from moetrain.parallel import mesh
+from moetrain.parallel.hang import last_stall
 from moetrain.errors import CheckpointError
 from moetrain.train.checkpoint import latest_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.stopping import StopRequest, clear_stop_file
@@ -39,8 +42,28 @@ def default_nproc(job: JobConfig) -> int:
     if job.train.nproc:
         return job.train.nproc
     if resolve_device(job) == "cuda":
-        return torch.cuda.device_count()
+        return mesh.visible_gpus()
     return 2
+
+
+def check_gpus(job: JobConfig, local_procs: int) -> None:
+    """On CUDA every local worker takes the GPU of its local rank: refuse, before any worker starts, more local
+    workers than visible GPUs (rank ``local_procs - 1`` would otherwise fail on ``cuda:<n>`` at start-up).
+
+    Raises:
+        ConfigError: no GPU visible, or fewer than ``local_procs``; names the count and the fixes.
+    """
+    if resolve_device(job) != "cuda":
+        return
+    n = mesh.visible_gpus()
+    if n == 0:
+        raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
+    if local_procs > n:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+        raise ConfigError(f"{local_procs} worker processes on this machine need one GPU each, but {n} GPU"
+                          f"{'s are' if n > 1 else ' is'} visible{where}; use --nproc {n} (or fewer), or "
+                          f"train.device='cpu'")
 
 
 #: Largest ``--dry-run --world``: the fake process group still builds an N-rank mesh here (about 1 GiB at 10^6).
@@ -91,9 +114,9 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
     job.parallel.resolve(world_size, job.model.n_routed_experts)
     from moetrain.parallel.pipeline import check_pipeline
     check_pipeline(job.model, job.parallel, job.train.grad_accum)
-    if resolve_device(job) == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is visible; use train.device='cpu' or 'auto'")
-    check_memory(job, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), dry_run)
+    local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    check_gpus(job, local_procs)
+    check_memory(job, world_size, local_procs, dry_run)
     ckpt = latest_checkpoint(job.train.out_dir)
     state = None
     if job.train.resume and ckpt is not None:
@@ -184,6 +207,10 @@ def _failure_message(e: Any, job: JobConfig) -> str:
         reason = msg.removeprefix("WorkerFailure: ").splitlines()[0]
     elif first.exitcode < 0:
         reason = f"rank {rank} was killed by signal {-first.exitcode}"
+        # NCCL's watchdog aborts (SIGABRT) a process whose collective timed out; the hang monitor named the phase
+        stall = last_stall(Path(job.train.out_dir) / "logs" / f"rank-{rank}.log")
+        if stall is not None:
+            reason += f", after: {stall}"
     else:
         reason = f"rank {rank} exited with code {first.exitcode}" + (f": {msg.splitlines()[-1]}" if msg else "")
     if "checkpoint" in reason:  # the worker's own message already says where to go on from

@@ -17,8 +17,6 @@ Without pipelining the micro-batches run one after the other on the one stage (t
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -32,6 +30,7 @@ from moetrain.model.transformer import IGNORE_INDEX, Transformer
 from moetrain.parallel.comm import name_collective_error, named_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.parallel.timing import clock_for
 
 
 @dataclass
@@ -155,15 +154,19 @@ def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = 
 
 
 def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float, ctx: ParallelContext,
-                       also_clip: Iterable[torch.nn.Parameter] = ()) -> float:
+                       also_clip: Iterable[torch.nn.Parameter] = ()) -> torch.Tensor:
     """Global L2 norm of all gradients (FSDP shards, expert slices and every pipeline stage included) and in-place
-    clipping.
+    clipping to ``max_norm`` (<= 0: no clipping) when the norm exceeds it.
 
     Every parameter is sharded or sliced without replication (FSDP over a stage's ranks, experts FSDP over DP and
     sliced over EP, stages disjoint; the last stage's embedding copy is left out by the caller), so the sum of local
     squared norms over all ranks is the squared global norm. A rank whose stage has no gradient (no MoE layer, or no
     parameter at all) adds zero. ``also_clip``: gradients scaled with the others but not counted (copies of a
     counted weight, such as the last stage's embedding).
+
+    Returns the norm, a 0-dim float64 tensor on the gradients' device. The clip decision is taken on the device
+    (a factor of exactly 1 when not clipping), as ``torch.nn.utils.clip_grad_norm_`` does, so the host does not wait
+    for the backward here and queues the optimizer step behind it; read the norm after that.
     """
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     device = grads[0].device if grads else ctx.device
@@ -173,9 +176,11 @@ def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_norm: float, ct
         # Multi-tensor kernels: no full-size fp32 temporary per parameter (squaring tiny gradients elementwise
         # also produced subnormal floats, which run up to 10x slower on x86).
         sq = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
-    total = math.sqrt(float(_all_reduce(sq, ctx, "gradient-norm all-reduce")))
-    if max_norm > 0 and total > max_norm and grads + extra:
-        torch._foreach_mul_(grads + extra, max_norm / (total + 1e-6))
+    total = _all_reduce(sq, ctx, "gradient-norm all-reduce").double().sqrt()
+    if max_norm > 0 and grads + extra:
+        # The factor in float64, rounded once to fp32 as a Python scalar would be; NaN norms are not clipped.
+        coef = torch.where(total > max_norm, max_norm / (total + 1e-6), torch.ones_like(total))
+        torch._foreach_mul_(grads + extra, coef.float())
     return total
 
 
@@ -235,15 +240,17 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     mp = as_parts(model)
     device = ctx.device
     depth = cfg.mtp_depth
-    # Global normalisers: [loss tokens, MTP tokens per depth..., sequences].
-    counts = [sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)]
-    for k in range(1, depth + 1):
-        counts.append(sum(int((y[:, k:] != IGNORE_INDEX).sum()) for _, y in micro_batches))
-    counts.append(sum(int(x.shape[0]) for x, _ in micro_batches))
-    norm = _all_reduce(torch.tensor(counts, dtype=torch.float64, device=device), ctx, "loss-normaliser all-reduce",
-                       ctx.stage_group)
-    n_tok, n_mtp, n_seq = norm[0].clamp(min=1), norm[1:1 + depth].clamp(min=1), norm[-1].clamp(min=1)
-    balance_scale = cfg.balance_loss_alpha / float(n_seq) if cfg.balance_loss_alpha > 0 else 0.0
+    # Global normalisers: [loss tokens, MTP tokens per depth..., sequences], counted on the device and read on the
+    # host once (balance_scale and the result need them there): one synchronisation per step, before its compute.
+    tokens = torch.stack([torch.stack([(y[:, k:] != IGNORE_INDEX).sum() for k in range(depth + 1)])
+                          for _, y in micro_batches]).sum(dim=0).double()
+    local = torch.cat([tokens, tokens.new_full((1,), float(sum(x.shape[0] for x, _ in micro_batches)))])
+    norm = _all_reduce(local, ctx, "loss-normaliser all-reduce", ctx.stage_group)
+    with named_phase("loss-normaliser all-reduce", ctx.distributed):
+        norm_host = norm.tolist()
+    n_tok, n_mtp = norm[0].clamp(min=1), norm[1:1 + depth].clamp(min=1)
+    n_seq = max(norm_host[-1], 1.0)
+    balance_scale = cfg.balance_loss_alpha / n_seq if cfg.balance_loss_alpha > 0 else 0.0
 
     objective = mp.objective or Objective(cfg)
     objective.start(n_tok, n_mtp)
@@ -253,7 +260,8 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
         else:
             p._step_stats = StageStats()
     amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    pipeline_s = bubble_s = 0.0
+    clock = clock_for(device)
+    schedule_span = None
     if mp.schedule is None and ctx.pcfg.ep_overlap:
         # Micro-batch i+1's forward paired with micro-batch i's backward, phase by phase (moetrain.parallel.overlap).
         from moetrain.parallel.overlap import defer_fsdp_reduction, finish_fsdp_reduction, run_paired
@@ -285,17 +293,16 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
         args = (x, y) if mp.first else ()
         kwargs = {"target": y} if mp.last else {}
         for s in mp.pipeline_stages:
-            s.compute_s = 0.0
+            s.spans = []
             s.events = events  # with parallel.ep_overlap: the tapes of the OVERLAP_F_B pairs record there
-        t0 = time.perf_counter()
+        t_schedule = clock.mark()  # a point on the compute stream (a CUDA event on a GPU), read at the step's end
         try:
             with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
                 mp.schedule.step(*args, return_outputs=False, **kwargs)
         finally:
             for s in mp.pipeline_stages:
                 s.events = None
-        pipeline_s = time.perf_counter() - t0
-        bubble_s = max(0.0, pipeline_s - sum(s.compute_s for s in mp.pipeline_stages))
+        schedule_span = (t_schedule, clock.mark())
     with named_phase("embedding gradient sum (first and last stage)", ctx.distributed):
         from moetrain.parallel.pipeline import sync_embedding_grads
         sync_embedding_grads([p for p in mp.parts if isinstance(p, TransformerStage)], mp.embedding_group,
@@ -323,8 +330,19 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     optimizer.zero_grad(set_to_none=True)
     rate = cfg.bias_update_rate if bias_update_rate is None else bias_update_rate
     update_expert_biases(layers, loads_ME, rate)
-    lm_v, mtp_v, bal_v = (float(v) for v in terms)
+    # The step's one wait for the device: everything above is queued; these reads return when it has run.
+    with named_phase("step end (waits for the step's queued work: gradient reduction, optimizer, metrics and "
+                     "gradient-norm all-reduces)", ctx.distributed):
+        lm_v, mtp_v, bal_v, gnorm_v, dropped_v = torch.cat([terms, gnorm.view(1).to(packed), packed[-1:]]).tolist()
+        loads_cpu = loads_ME.cpu()
+    # Device-timed intervals and collectives of the step have executed by now: read their events.
+    for _, moe in layers:
+        moe.dispatcher.stats.settle()
+    pipeline_s = bubble_s = 0.0
+    if schedule_span is not None:
+        pipeline_s = clock.seconds(*schedule_span)
+        bubble_s = max(0.0, pipeline_s - sum(s.compute_seconds() for s in mp.pipeline_stages))
     total = lm_v + cfg.mtp_loss_weight * mtp_v + cfg.balance_loss_alpha * bal_v
-    return StepResult(loss=total, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v, grad_norm=gnorm,
-                      tokens_per_expert_ME=loads_ME.cpu(), n_tokens=int(norm[0]), n_sequences=int(norm[-1]),
-                      dropped_tokens=int(packed[-1]), pipeline_s=pipeline_s, bubble_s=bubble_s)
+    return StepResult(loss=total, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v, grad_norm=gnorm_v,
+                      tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]), n_sequences=int(norm_host[-1]),
+                      dropped_tokens=int(dropped_v), pipeline_s=pipeline_s, bubble_s=bubble_s)

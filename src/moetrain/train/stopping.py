@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moetrain.parallel.hang import in_phase
+
 STOP_FILE = ".stop"
 #: ``moetrain train``'s exit code after a clean stop on signal ``s`` is 128 + s.
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -76,9 +78,10 @@ class StopRequest:
                 name = f.read_text().strip()
                 mine = int(getattr(signal.Signals, name, signal.SIGTERM)) if name else int(signal.SIGTERM)
         if ctx.distributed:
-            t = torch.tensor([mine], dtype=torch.int64, device=ctx.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            mine = int(t.item())
+            with in_phase("stop-signal agreement (all-reduce)"):
+                t = torch.tensor([mine], dtype=torch.int64, device=ctx.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                mine = int(t.item())
         return mine
 
 

@@ -25,6 +25,7 @@ from moetrain.model.config import TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.config import V_SCHEDULES
+from moetrain.parallel.hang import hang_monitor, in_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
@@ -85,6 +86,9 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
     from moetrain.model.transformer import IGNORE_INDEX
 
     model.train(False)
+    dispatch_stats = [m.dispatcher.stats for _, m in model.moe_layers()]
+    for st in dispatch_stats:  # validation's all-to-alls are not the training step's
+        st.recording = False
     total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
                iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size, ctx.data_rank,
@@ -128,6 +132,8 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
     if ctx.distributed:
         dist.all_reduce(total)
     model.train(True)
+    for st in dispatch_stats:
+        st.recording = True
     return float(total[0] / total[1].clamp(min=1))
 
 
@@ -154,7 +160,8 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
         try:
             # CPU "bf16": bf16 GEMM numerics computed by fp32 kernels, as torch's CPU bf16 GEMM kernels are a slow
             # fallback on CPUs without bf16 instructions (moetrain.precision.cpu_bf16, docs/fp8.md).
-            with cpu_bf16_gemms(ctx.device, autocast_dtype(job, ctx.device)):
+            with hang_monitor(ctx, Path(tc.out_dir) / "logs" / f"rank-{rank}.log"), \
+                    cpu_bf16_gemms(ctx.device, autocast_dtype(job, ctx.device)):
                 return _run(job, prep, ctx, dry_run, stop, progress, report_stop)
         finally:
             shutdown()
@@ -387,9 +394,10 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
                 sink.print(f"step {done:>5} | val loss {v:.4f}")
         signum = stop.agreed(tc.out_dir, ctx) if done < tc.steps else 0
         if (tc.ckpt_every and done % tc.ckpt_every == 0) or done == tc.steps or signum:
-            last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
-                                        {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
-                                         "job": job.to_dict(), "data": fingerprint}, ctx, tc.keep_ckpts)
+            with in_phase("checkpoint save"):
+                last_ckpt = save_checkpoint(tc.out_dir, done, model, optimizer,
+                                            {"loader": loader.state_dict(), "model_config": cfg.to_dict(),
+                                             "job": job.to_dict(), "data": fingerprint}, ctx, tc.keep_ckpts)
         window_t += time.perf_counter() - t_pause
         if signum:
             stopped = {"signal": signal.Signals(signum).name, "exit_code": 128 + signum, "step": done,
