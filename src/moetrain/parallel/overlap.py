@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moetrain.model.phases import Tape
+from moetrain.parallel.torch_compat import fsdp_param_groups
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list[Any]:
@@ -55,7 +56,7 @@ def finish_fsdp_reduction(module: torch.nn.Module) -> None:
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     for s in state._state_ctx.all_states:
-        for group in s._fsdp_param_groups:
+        for group in fsdp_param_groups(s):
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -76,7 +77,7 @@ def keep_fsdp_forward_state(module: torch.nn.Module) -> Iterator[None]:
     root = fully_shard.state(module)  # type: ignore[attr-defined]
     ctx = root._state_ctx
     states = [(s, s._training_state) for s in ctx.all_states if s._training_state == TrainingState.FORWARD]
-    groups = [(g, g._training_state) for s in ctx.all_states for g in s._fsdp_param_groups
+    groups = [(g, g._training_state) for s in ctx.all_states for g in fsdp_param_groups(s)
               if g._training_state == TrainingState.FORWARD]
     forward_root = ctx.iter_forward_root
     try:
