@@ -110,10 +110,6 @@ class ModelParts:
     embedding_sync: bool = False
 
     @property
-    def first(self) -> bool:
-        return any(getattr(p, "spec", None) is None or p.spec.embed for p in self.parts)
-
-    @property
     def last(self) -> bool:
         return any(getattr(p, "spec", None) is None or p.spec.head for p in self.parts)
 
