@@ -143,8 +143,9 @@ def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        text = p.read_text(encoding="utf-8")  # TOML is UTF-8 by definition, whatever the locale
+        raw = tomllib.loads(text) if p.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot parse config file {str(p)!r}: {e}") from None
     unknown = sorted(set(raw) - set(SECTIONS) - {"preset"})
     if unknown:
@@ -324,13 +325,13 @@ def save_job_config(job: JobConfig, path: str | Path) -> Path:
     preset = d.pop("preset")
     d["model"] = {"preset": preset, **d["model"]} if not preset.startswith("hf:") else d["model"]
     if p.suffix == ".toml":
-        import tomli_w
+        from moetrain.toml_write import dumps
 
         def drop_none(x: Any) -> Any:  # TOML has no null: an absent key means the default (None)
             return {k: drop_none(v) for k, v in x.items() if v is not None} if isinstance(x, dict) else x
-        p.write_text(tomli_w.dumps(drop_none(d)))
+        p.write_text(dumps(drop_none(d)), encoding="utf-8")
     else:
-        p.write_text(json.dumps(d, indent=2))
+        p.write_text(json.dumps(d, indent=2), encoding="utf-8")
     return p
 
 

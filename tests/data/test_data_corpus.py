@@ -184,6 +184,7 @@ def test_check_sources_reads_only_first_record(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ built-in corpus
 def test_builtin_corpus_is_deterministic_and_capped():
+    # The real standard library of whichever Python runs the suite: only properties every stdlib gives.
     cap = 300_000
     a = builtin_corpus_paths(cap)
     assert a == builtin_corpus_paths(cap)
@@ -195,9 +196,29 @@ def test_builtin_corpus_is_deterministic_and_capped():
         parts = set(p.relative_to(root).parts[:-1])
         assert not parts & {"site-packages", "dist-packages", "test", "tests", "idlelib", "encodings"}
         assert p.suffix == ".py"
-    assert sum(p.stat().st_size for p in a) > 0.95 * cap  # the budget is filled greedily
     bigger = builtin_corpus_paths(2 * cap)
-    assert len(bigger) > len(a)
+    assert sum(p.stat().st_size for p in bigger) > cap  # any stdlib holds far more than 600 kB of sources
+
+
+def test_builtin_corpus_selection_rule(tmp_path, monkeypatch):
+    # The rule on a standard library of known contents: sorted relative paths, whole files, greedy fill (a file
+    # that does not fit is skipped and later ones may still fit), exclusions, empty and non-UTF-8 files skipped.
+    files = {
+        "a.py": 40, "b/big.py": 70, "b/c.py": 30, "b/d.txt": 5, "e.py": 20, "f.py": 0, "g.py": 10,
+        "site-packages/x.py": 5, "test/t.py": 5, "encodings/cp.py": 5, "__pycache__/a.py": 5, "h/tests/t.py": 5,
+    }
+    for rel, size in files.items():
+        f = tmp_path / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x" * size)
+    (tmp_path / "latin1.py").write_bytes(b"caf\xe9")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **k: {"stdlib": str(tmp_path)})
+    rels = lambda cap: [p.relative_to(tmp_path.resolve()).as_posix() for p in builtin_corpus_paths(cap)]
+    assert rels(100) == ["a.py", "b/c.py", "e.py", "g.py"]  # b/big.py (70) no longer fits after a.py
+    assert rels(1000) == ["a.py", "b/big.py", "b/c.py", "e.py", "g.py"]
+    assert rels(25) == ["e.py"]  # the first file that fits, then g.py would exceed 25
+    with pytest.raises(DataError, match="builtin_max_bytes=5"):
+        builtin_corpus_paths(5)
 
 
 def test_builtin_corpus_too_small_cap():

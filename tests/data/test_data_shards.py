@@ -87,6 +87,23 @@ def test_val_topped_up_to_half_its_token_share(tmp_path, char_tok):
     assert va[:drawn] == ["vv"] * drawn  # drawn docs first, in corpus order, then the topped-up ones
 
 
+def test_small_corpus_is_topped_up_beyond_the_4x_candidates(tmp_path, char_tok):
+    # 30 documents and a seed for which none is drawn for validation nor falls below u = 4 * val_fraction, apart
+    # from the one of smallest u (moved to validation as the split may not be empty): the 4x candidates alone
+    # left validation with that one short document (a small built-in corpus on Python 3.12 met this).
+    from moetrain.data.shards import _doc_u
+    vf, n = 0.02, 30
+    seed = next(s for s in range(10_000) if sorted(_doc_u(i, s) for i in range(n))[1] >= 4 * vf)
+    first = min(range(n), key=lambda i: _doc_u(i, seed))
+    docs = ["v" if i == first else f"document {i} " * 4 for i in range(n)]
+    info = write_shards(docs, char_tok, tmp_path, val_fraction=vf, seed=seed)
+    total = info.n_train_tokens + info.n_val_tokens
+    assert 0.5 * vf * total <= info.n_val_tokens <= 2 * vf * total
+    assert read_meta(tmp_path)["split"]["topped_up_docs"] == info.n_val_docs - 1 > 0
+    tr, va = _docs_of(load_tokens(info.train_path)), _docs_of(load_tokens(info.val_path))
+    assert sorted(tr + va) == sorted(docs) and "v" in va
+
+
 def test_train_never_empty(tmp_path, char_tok):
     # with val_fraction 0.5 and two docs, find a seed that draws both for validation
     seed = next(s for s in range(1000) if doc_split(0, s, 0.5) == doc_split(1, s, 0.5) == "val")

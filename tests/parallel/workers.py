@@ -298,3 +298,61 @@ def stall_in_dense_layer_run() -> str:
     data = global_batch(0, cfg.vocab_size)[ctx.rank * 4:(ctx.rank + 1) * 4]
     train_step(model, opt, [(data[:, :-1], data[:, 1:])], cfg, ctx)
     return "no error"
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor requiring grad inside ``obj``, looking into tensors, tuples (NamedTuples too), lists, dicts and
+    dataclass instances -- everything a module output may hold."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return []
+    return [t for item in items for t in _grad_tensors(item)]
+
+
+def fsdp_outputs_run(as_stage: bool) -> dict:
+    """Forward + backward of the parallelized tiny model (EP=2, MTP, balance loss) with a forward hook on every
+    FSDP2-wrapped module, comparing the grad-requiring tensors of its output with those
+    ``torch.utils._pytree.tree_flatten`` finds: torch 2.11's FSDP2 registers its pre-backward all-gather on exactly
+    those. ``as_stage``: the whole model as one ``TransformerStage`` (what the pipeline runs) instead of the
+    ``Transformer``."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._pytree import tree_flatten
+
+    from moetrain.model.stage import TransformerStage, whole_model_spec
+
+    cfg = tiny_test_config()
+    ctx = init_parallel(ParallelConfig(ep=2), cfg.n_routed_experts)
+    model = build_model(cfg, seed=0)
+    part = TransformerStage(model, whole_model_spec(cfg)) if as_stage else model
+    parallelize(part, ctx)
+    checked, missed = [], []
+
+    def check(mod: torch.nn.Module, _args: Any, output: Any) -> None:
+        want = {id(t) for t in _grad_tensors(output)}
+        seen = {id(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad}
+        checked.append((type(mod).__name__, len(want)))
+        if want - seen:
+            missed.append(f"{type(mod).__name__}: {len(want - seen)} of {len(want)} output tensors hidden in "
+                          f"{type(output).__name__}")
+    wrapped = [m for m in part.modules() if isinstance(m, FSDPModule)]
+    for m in wrapped:
+        m.register_forward_hook(check)
+    data = global_batch(0, cfg.vocab_size)[ctx.rank * 4:(ctx.rank + 1) * 4]
+    x, y = data[:, :-1], data[:, 1:]
+    out = part(tokens_BL=x, labels_BL=y) if as_stage else part(x, y)
+    loss = out.sum() if as_stage else out.loss(cfg)
+    loss.backward()
+    grads = sum(1 for p in part.parameters() if p.grad is not None)
+    # the root, every block (main and MTP) and every MoE layer's experts
+    expected = 1 + cfg.n_layers + cfg.mtp_depth + cfg.n_moe_layers + cfg.mtp_depth
+    return {"wrapped": len(wrapped), "expected": expected, "checked": checked, "missed": missed, "grads": grads,
+            "params": sum(1 for _ in part.parameters())}

@@ -17,8 +17,9 @@ the train document with the smallest ``u`` moves there (and symmetrically for an
 single document is split by tokens instead, at the ``floor((1 - val_fraction) * n)`` point (``split.mode`` =
 ``"tokens"`` in meta.json). Because documents differ in length, the drawn validation documents may hold far fewer
 tokens than ``val_fraction`` of them; when they hold less than half of that share, train documents with the next
-smallest ``u`` (among those with ``u < 4 * val_fraction``) are moved to validation as long as it stays under twice its
-share, until it reaches half (``split.topped_up_docs`` in meta.json counts them; they follow the drawn ones in
+smallest ``u`` (among those with ``u < 4 * val_fraction``, and in any case the :data:`TOP_UP_MIN_CANDIDATES` train
+documents of smallest ``u``, so that a corpus of a few dozen documents has candidates too) are moved to validation as
+long as it stays under twice its share, until it reaches half (``split.topped_up_docs`` in meta.json counts them; they follow the drawn ones in
 ``val.bin``). The rule depends only on the corpus, ``seed`` and ``val_fraction``.
 
 Writes are atomic: the ``.bin`` files are written as ``*.tmp`` and renamed into place, and ``meta.json`` is renamed
@@ -28,6 +29,7 @@ into place last, so a directory with a ``meta.json`` whose sizes match the ``.bi
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
@@ -51,6 +53,10 @@ log = logging.getLogger("moetrain.data")
 META_NAME = "meta.json"
 SPLITS = ("train", "val")
 FORMAT_VERSION = 1
+#: Train documents of smallest ``u`` always considered for the validation top-up, beyond those with
+#: ``u < 4 * val_fraction``: a corpus of a few dozen documents (a small built-in corpus) has none of the latter to
+#: spare. Only a top-up that used to fall short of half its share changes (a corpus prepared before keeps its split).
+TOP_UP_MIN_CANDIDATES = 64
 #: Characters of text handed to one ``encode_batch`` call (also the granularity of the progress report; 1 M was
 #: measured as fast as 4 M on 2 cores: 6.2-6.8 s against 8.3-10.0 s for the 8 MB built-in corpus).
 BATCH_CHARS = 1 << 20
@@ -181,8 +187,10 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
     # Fix-up candidates: (u, start, end) of the train doc with the smallest u / the val doc with the largest u.
     best_for_val: tuple[float, int, int] | None = None
     best_for_train: tuple[float, int, int] | None = None
-    # Top-up candidates: train docs with u < 4 * val_fraction (about 4x as many as the val split holds).
+    # Top-up candidates: train docs with u < 4 * val_fraction (about 4x as many as the val split holds), and the
+    # TOP_UP_MIN_CANDIDATES train docs of smallest u (a max-heap on u), which a small corpus may need.
     top_up: list[tuple[float, int, int]] = []
+    smallest_u: list[tuple[float, int, int]] = []
     first_doc: tuple[str, int, int] | None = None
     n_docs = 0
     t0 = time.perf_counter()
@@ -220,6 +228,10 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
                     best_for_val = (u, start, end)
                 if split == "train" and u < 4 * val_fraction:
                     top_up.append((u, start, end))
+                elif split == "train":
+                    heapq.heappush(smallest_u, (-u, start, end))
+                    if len(smallest_u) > TOP_UP_MIN_CANDIDATES:
+                        heapq.heappop(smallest_u)
                 if split == "val" and (best_for_train is None or u > best_for_train[0]):
                     best_for_train = (u, start, end)
                 i = j
@@ -284,7 +296,7 @@ def write_shards(docs: Iterable[str], tokenizer: Tokenizer, out_dir: str | os.Pa
             total = n_tok["train"] + n_tok["val"]
             val_tok = n_tok["val"] + sum(e - s_ for _, s_, e in chosen)
             low, high = 0.5 * val_fraction * total, 2.0 * val_fraction * total
-            for cand in sorted(top_up):
+            for cand in sorted(top_up + [(-nu, s_, e) for nu, s_, e in smallest_u]):
                 if val_tok >= low or n_doc["train"] - len(chosen) <= 1:
                     break
                 size = cand[2] - cand[1]

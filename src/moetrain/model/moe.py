@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -601,9 +601,13 @@ def pad_to_capacity(x_SD: torch.Tensor, counts_E: torch.Tensor, capacity: int
 # The MoE layer
 # ----------------------------------------------------------------------------------------------------------------
 
-@dataclass
-class MoEStats:
+class MoEStats(NamedTuple):
     """Returned by every MoE forward (never kept in globals).
+
+    A NamedTuple, not a dataclass: it leaves FSDP2-wrapped blocks inside their output, and FSDP2 hooks its
+    pre-backward all-gather onto the output tensors it finds -- torch 2.11 through ``torch.utils._pytree``, which
+    does not look inside dataclasses, so a gradient reaching the block through ``balance_loss_sum`` alone would not
+    trigger it; every supported torch looks inside tuples (see :class:`moetrain.model.transformer.ModelOutput`).
 
     Attributes:
         tokens_per_expert_E: int64 counts of assignments per routed expert (all E, before capacity drops) -- the

@@ -1,18 +1,21 @@
 """A pipeline stage of the transformer: the model contract that pipelines.
 
 A :class:`TransformerStage` holds a contiguous run of the model's layers, plus the embedding on the first stage and
-the final norm, output head, loss and MTP modules on the last. Its forward takes and returns tensors only, so
-``torch.distributed.pipelining`` can send them between ranks:
+the final norm, output head, loss and MTP modules on the last. Only the hidden state passes between stages (what
+``torch.distributed.pipelining`` sends); the token ids and labels of the micro-batch reach every stage as keyword
+arguments, which the schedule splits into micro-batches like the positional ones and hands to every stage's forward
+(the ranks of one pipeline read the same batch):
 
-    first stage          (tokens_BL, labels_BL)        -> (h_BLD, tokens_BL, labels_BL)
-    middle stage         (h_BLD, tokens_BL, labels_BL) -> (h_BLD, tokens_BL, labels_BL)
-    last stage           (h_BLD, tokens_BL, labels_BL) -> sums_S  (fp32: [CE sum, MTP CE sum per depth ...])
-    the whole model      (tokens_BL, labels_BL)        -> sums_S
+    first stage          (tokens_BL=, labels_BL=)         -> h_BLD
+    middle stage         (h_BLD, tokens_BL=, labels_BL=)  -> h_BLD
+    last stage           (h_BLD, tokens_BL=, labels_BL=)  -> sums_S  (fp32: [CE sum, MTP CE sum per depth ...])
+    the whole model      (tokens_BL=, labels_BL=)         -> sums_S
 
-The integer tokens and labels travel with the hidden state (they need no gradient; B*L int64 beside B*L*D
-activations): every stage needs the labels to count real tokens in its MoE statistics, and the last stage needs
-the tokens for the MTP modules' embedding. Losses are *sums*; the trainer's loss function divides them by the
-global counts (``moetrain.train.step``).
+Every stage needs the labels to count real tokens in its MoE statistics, and the last stage needs the tokens for the
+MTP modules' embedding. Integer tensors are not sent between stages: torch 2.11's pipeline stages mark every
+received buffer as requiring gradients, which an int64 tensor cannot ("only Tensors of floating point dtype can
+require gradients"), and Megatron-LM too has every stage take the batch tensors it needs from the data rather than
+from its neighbour. Losses are *sums*; the trainer's loss function divides them by the global counts (``moetrain.train.step``).
 
 Layers are keyed by their global index (``layers.<i>``, ``mtp.<k>``), so parameter names -- and with them HF names,
 the name-seeded initialisation and checkpoint keys -- are the same for every split. Single-device code: it knows
@@ -191,12 +194,25 @@ class TransformerStage(nn.Module):
         return h
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if self.spec.embed:
-            tokens_BL, labels_BL = args
-            h = self.embed_tokens(tokens_BL)
-        else:
-            h, tokens_BL, labels_BL = args
+    def forward(self, *hidden: torch.Tensor, tokens_BL: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+        """The stage's part of the model on one micro-batch (see the module docstring for the contract).
+
+        Args:
+            hidden: nothing on the first stage; the previous stage's output h_BLD on any other.
+            tokens_BL: int64 token ids of the micro-batch.
+            labels_BL: int64 next-token labels (IGNORE_INDEX where no loss is wanted).
+
+        Returns:
+            h_BLD in ``act_dtype`` (not the last stage), or the (1 + MTP depth,) fp32 loss sums (the last stage).
+
+        Raises:
+            TypeError: a hidden state given to the first stage, or none to another stage.
+            ValueError: a sequence longer than ``max_seq_len``.
+        """
+        if self.spec.embed != (len(hidden) == 0) or len(hidden) > 1:
+            raise TypeError(f"stage {self.spec.index} takes {'no' if self.spec.embed else 'one'} hidden state "
+                            f"positionally (and tokens_BL=, labels_BL=), got {len(hidden)}")
+        h = self.embed_tokens(tokens_BL) if self.spec.embed else hidden[0]
         L = tokens_BL.shape[1]
         if L > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -210,8 +226,7 @@ class TransformerStage(nn.Module):
             # No view leaves a stage (FSDP: an in-place op on a view output would skip its backward hook): the
             # schedule hands in micro-batches as views of the step's batch, and AttachLoss returns its input.
             h = h.to(self.act_dtype)
-            h = h.clone() if h._is_view() else h
-            return h, tokens_BL.clone(), labels_BL.clone()
+            return h.clone() if h._is_view() else h
         # Each sum (and the embedding) is read after the MTP modules' all-to-alls (moetrain.model.phases).
         sums = [carry(ce_sum(self.lm_head, self.norm, h, labels_BL))]
         if self.mtp:

@@ -7,7 +7,7 @@ Shape legend: B batch, L sequence, D model dim, V vocab, E routed experts, M MoE
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,9 +80,15 @@ class MTPModule(nn.Module):
         return self.block(x, cos, sin, valid_BL)
 
 
-@dataclass
-class ModelOutput:
+class ModelOutput(NamedTuple):
     """Everything a forward returns; losses are *sums* so the caller can normalise over any split of the batch.
+
+    A NamedTuple (holding lists), not a dataclass: FSDP2 registers the all-gather that precedes a wrapped module's
+    backward as a hook on the output tensors it finds. torch 2.11 finds them with ``torch.utils._pytree.tree_flatten``,
+    which treats a dataclass as one opaque leaf: the root's hook was never registered, and with its parameters
+    resharded after forward the backward read the freed storage of the output head ("setStorage: ... out of bounds
+    for storage of size 0"). torch 2.13 also walks dataclasses; tuples, lists and NamedTuples are walked by every
+    supported version (tested in tests/parallel/test_fsdp_outputs.py).
 
     Attributes:
         logits_BLV: main-model logits (only when requested; None otherwise).
@@ -98,11 +104,11 @@ class ModelOutput:
     logits_BLV: torch.Tensor | None
     lm_loss_sum: torch.Tensor
     n_loss_tokens: torch.Tensor
-    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
-    mtp_n_tokens: list[torch.Tensor] = field(default_factory=list)
-    balance_loss_sum: torch.Tensor | None = None
-    n_sequences: int = 0
-    moe_stats: list[MoEStats] = field(default_factory=list)
+    mtp_loss_sums: list[torch.Tensor]
+    mtp_n_tokens: list[torch.Tensor]
+    balance_loss_sum: torch.Tensor | None
+    n_sequences: int
+    moe_stats: list[MoEStats]
 
     def loss(self, cfg: ModelConfig) -> torch.Tensor:
         """The training objective normalised over *this* batch only (single-process use):
@@ -191,16 +197,18 @@ class Transformer(nn.Module):
 
         zero = torch.zeros((), device=tokens_BL.device)
         logits = self.lm_head(self.norm(h)) if (return_logits or labels_BL is None) else None
-        out = ModelOutput(logits_BLV=logits, lm_loss_sum=zero, n_loss_tokens=zero.long(), n_sequences=B)
+        lm_loss_sum, n_loss_tokens = zero, zero.long()
+        mtp_loss_sums: list[torch.Tensor] = []
+        mtp_n_tokens: list[torch.Tensor] = []
         if labels_BL is not None:
             if logits is not None:
-                out.lm_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(),
-                                                  ignore_index=IGNORE_INDEX, reduction="sum")
+                lm_loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels_BL.flatten(),
+                                              ignore_index=IGNORE_INDEX, reduction="sum")
             else:
-                out.lm_loss_sum = ce_sum(self.lm_head, self.norm, h, labels_BL)
-            out.n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
+                lm_loss_sum = ce_sum(self.lm_head, self.norm, h, labels_BL)
+            n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
             # Each sum is read after the later MTP modules' all-to-alls (moetrain.model.phases).
-            lm_later, mtp_later = carry(out.lm_loss_sum), []
+            lm_later, mtp_later = carry(lm_loss_sum), []
             h_k = h
             for k, module in enumerate(self.mtp, start=1):
                 emb_k, labels_k = mtp_targets(emb_later(), labels_BL, k)
@@ -208,13 +216,13 @@ class Transformer(nn.Module):
                 if s is not None:
                     stats.append(s)
                 mtp_later.append(carry(ce_sum(self.lm_head, module.norm, h_k, labels_k)))
-                out.mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
-            out.lm_loss_sum = lm_later()
-            out.mtp_loss_sums = [get() for get in mtp_later]
-        out.moe_stats = stats
-        if stats:
-            out.balance_loss_sum = torch.stack([s.balance_loss_sum for s in stats]).sum()
-        return out
+                mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
+            lm_loss_sum = lm_later()
+            mtp_loss_sums = [get() for get in mtp_later]
+        balance = torch.stack([s.balance_loss_sum for s in stats]).sum() if stats else None
+        return ModelOutput(logits_BLV=logits, lm_loss_sum=lm_loss_sum, n_loss_tokens=n_loss_tokens,
+                           mtp_loss_sums=mtp_loss_sums, mtp_n_tokens=mtp_n_tokens, balance_loss_sum=balance,
+                           n_sequences=B, moe_stats=stats)
 
     # -- auxiliary-loss-free balancing ----------------------------------------------------------------------
     @torch.no_grad()

@@ -27,19 +27,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moetrain.model.phases import Tape
+from moetrain.parallel.torch_compat import fsdp_param_groups
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def _param_groups(state: Any) -> list[Any]:
-    """The parameter groups of one FSDP2 state. torch 2.11 keeps one (``_fsdp_param_group``, or None); later
-    versions a list (``_fsdp_param_groups``) and the single one as a property, valid while a state has at most one
-    group -- always here: moetrain's ``shard_placement_fn`` returns plain placements, no per-parameter meshes."""
-    group = state._fsdp_param_group
-    return [group] if group is not None else []
 
 
 def defer_fsdp_reduction(module: torch.nn.Module) -> None:
@@ -63,7 +56,7 @@ def finish_fsdp_reduction(module: torch.nn.Module) -> None:
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined]
     for s in state._state_ctx.all_states:
-        for group in _param_groups(s):
+        for group in fsdp_param_groups(s):
             group.post_backward()
     state._root_post_backward_final_callback()
 
@@ -84,7 +77,7 @@ def keep_fsdp_forward_state(module: torch.nn.Module) -> Iterator[None]:
     root = fully_shard.state(module)  # type: ignore[attr-defined]
     ctx = root._state_ctx
     states = [(s, s._training_state) for s in ctx.all_states if s._training_state == TrainingState.FORWARD]
-    groups = [(g, g._training_state) for s in ctx.all_states for g in _param_groups(s)
+    groups = [(g, g._training_state) for s in ctx.all_states for g in fsdp_param_groups(s)
               if g._training_state == TrainingState.FORWARD]
     forward_root = ctx.iter_forward_root
     try:

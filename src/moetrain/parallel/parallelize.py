@@ -94,7 +94,10 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
                         shard_placement_fn=lambda p: expert_shard_dim(p.shape, dp), **kw)
         for block in blocks:
             fully_shard(block, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
-        fully_shard(model, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
+        # The root (embedding, final norm, output head, the MTP modules' own weights) stays gathered after forward,
+        # as FSDP2 does for a root by default and TorchTitan does for its norm and output: the backward starts with
+        # the output head and the loss, which would all-gather the same weights again at once.
+        fully_shard(model, mesh=ctx.fsdp_mesh, reshard_after_forward=False, **kw)
         for mod in model.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
                 mod.set_gradient_divide_factor(1.0)

@@ -24,6 +24,7 @@ from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import V_SCHEDULES, ParallelConfig
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.timing import clock_for
+from moetrain.parallel.torch_compat import keep_split_backward_graph, without_self_p2p_warmup
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
@@ -262,8 +263,9 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.pp_schedule`` over this rank's stages.
 
     Message shapes are declared up front (static metadata: no trial forward, whose MoE statistics and all-to-alls
-    would count): stage inputs and outputs are (h (B, L, D) in ``act_dtype``, tokens (B, L), labels (B, L)); the
-    last stage returns the (1 + MTP depth,) fp32 loss sums. Gradients are not rescaled by the schedule
+    would count): a stage receives and sends the hidden state h (B, L, D) in ``act_dtype`` -- the token ids and
+    labels reach every stage as keyword arguments of ``schedule.step`` (``moetrain.model.stage``) -- and the last
+    stage returns the (1 + MTP depth,) fp32 loss sums. Gradients are not rescaled by the schedule
     (``scale_grads=False``): the loss is normalised by global counts.
 
     Returns (schedule, pipeline stages).
@@ -281,17 +283,16 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     check_microbatches(pcfg, n_microbatches)
     B, L, D = micro_batch, seq_len, parts[0].cfg.dim
     dev = ctx.device
-    tok = torch.empty(B, L, dtype=torch.long, device="meta")
     stages = []
-    Timed = _timed(PipelineStage)
+    Timed = keep_split_backward_graph(without_self_p2p_warmup(_timed(PipelineStage)))
     if pcfg.ep_overlap:
         from moetrain.parallel.overlap import paired_stage
         Timed = paired_stage(Timed)
     for part in parts:
         h = torch.empty(B, L, D, dtype=part.act_dtype, device="meta")
-        inputs = (tok, tok) if part.spec.embed else (h, tok, tok)
+        inputs = () if part.spec.embed else (h,)  # token ids and labels: keyword arguments, not sent
         outputs = ((torch.empty(1 + len(part.spec.mtp), dtype=torch.float32, device="meta"),) if part.spec.head
-                   else (h, tok, tok))
+                   else (h,))
         stages.append(Timed(part, part.spec.index, n_stages, dev, input_args=_to(inputs, dev),
                             output_args=_to(outputs, dev), group=ctx.pp_group))
     cls = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV,

@@ -15,6 +15,7 @@ Megatron conventions (the published plans of docs/reference.md section 4 are Meg
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -396,42 +397,62 @@ def layout_items(layout: str, shape: ModelShape, n_stages: int) -> list[list[str
 def balanced_partition(costs: list[float], n_parts: int) -> list[tuple[int, int]]:
     """Split ``costs`` into ``n_parts`` contiguous non-empty ranges minimising the largest sum (binary search on
     the bound with a greedy fill, then splitting ranges until there are exactly ``n_parts``).
-    Returns [start, end) index pairs."""
+
+    The sums are exact: every float is an integer multiple of a power of two, so the costs are scaled to integers
+    on their common denominator. The result therefore does not depend on the order or method of float summation
+    (Python 3.12's ``sum()`` of floats is compensated and no longer equals a running sum; a bound taken from one
+    and checked against the other had split a single stage in two).
+
+    Args:
+        costs: seconds (or any non-negative, finite unit) per pipeline item, in model order.
+        n_parts: number of stages.
+
+    Returns:
+        [start, end) index pairs, one per stage, covering ``costs`` in order.
+
+    Raises:
+        PlanError: fewer items than stages, fewer than one stage, or a negative or non-finite cost.
+    """
     n = len(costs)
     if not 1 <= n_parts <= n:
         raise PlanError(f"cannot split {n} pipeline items into {n_parts} stages")
+    bad = [c for c in costs if not (c >= 0 and math.isfinite(c))]
+    if bad:
+        raise PlanError(f"pipeline item costs must be finite and non-negative; got {bad[:3]}")
+    ratios = [float(c).as_integer_ratio() for c in costs]
+    den = max(d for _, d in ratios)  # every denominator is a power of two, so each divides the largest
+    w = [num * (den // d) for num, d in ratios]
 
-    def greedy(bound: float) -> list[tuple[int, int]] | None:
-        parts, start, acc = [], 0, 0.0
-        for i, c in enumerate(costs):
+    def greedy(bound: int) -> list[tuple[int, int]] | None:
+        parts, start, acc = [], 0, 0
+        for i, c in enumerate(w):
             if c > bound:
                 return None
             if acc + c > bound:
                 parts.append((start, i))
-                start, acc = i, 0.0
+                start, acc = i, 0
             acc += c
         parts.append((start, n))
         return parts if len(parts) <= n_parts else None
 
-    lo, hi = max(costs), sum(costs)
-    best = greedy(hi)
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        p = greedy(mid)
-        if p is not None:
-            best, hi = p, mid
+    lo, hi = max(w), sum(w)  # hi: one range holds everything
+    while lo < hi:  # the smallest bound the greedy fill meets
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
         else:
-            lo = mid
+            hi = mid
+    best = greedy(hi)
     assert best is not None
     while len(best) < n_parts:  # every stage needs an item: split the costliest multi-item range
-        idx = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(costs[best[i][0]:best[i][1]]))
+        idx = max((i for i, (a, b) in enumerate(best) if b - a > 1), key=lambda i: sum(w[best[i][0]:best[i][1]]))
         a, b = best[idx]
-        acc, cut = 0.0, a + 1
-        half = sum(costs[a:b]) / 2
+        acc, cut = 0, a + 1
+        total = sum(w[a:b])
         for j in range(a, b - 1):
-            acc += costs[j]
+            acc += w[j]
             cut = j + 1
-            if acc >= half:
+            if 2 * acc >= total:
                 break
         best[idx:idx + 1] = [(a, cut), (cut, b)]
     return best

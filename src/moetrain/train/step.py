@@ -109,10 +109,6 @@ class ModelParts:
     embedding_sync: bool = False
 
     @property
-    def first(self) -> bool:
-        return any(getattr(p, "spec", None) is None or p.spec.embed for p in self.parts)
-
-    @property
     def last(self) -> bool:
         return any(getattr(p, "spec", None) is None or p.spec.head for p in self.parts)
 
@@ -201,7 +197,7 @@ def _forward_sums(part: Any, x: torch.Tensor, y: torch.Tensor, balance_scale: fl
     """Loss sums (1 + D,) of one micro-batch through a whole model: a TransformerStage, or a plain Transformer (its
     ModelOutput turned into the same sums, statistics and balance term)."""
     if isinstance(part, TransformerStage):
-        return part(x, y)
+        return part(tokens_BL=x, labels_BL=y)
     out = part(x, y)
     sums = torch.stack([out.lm_loss_sum, *out.mtp_loss_sums])
     for m, s in enumerate(out.moe_stats):
@@ -290,15 +286,16 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     else:
         x = torch.cat([b[0] for b in micro_batches])
         y = torch.cat([b[1] for b in micro_batches])
-        args = (x, y) if mp.first else ()
-        kwargs = {"target": y} if mp.last else {}
+        # Every stage gets the token ids and labels as keyword arguments (moetrain.model.stage); the last stage's
+        # loss function gets the labels as its target.
+        kwargs = {"tokens_BL": x, "labels_BL": y, **({"target": y} if mp.last else {})}
         for s in mp.pipeline_stages:
             s.spans = []
             s.events = events  # with parallel.ep_overlap: the tapes of the OVERLAP_F_B pairs record there
         t_schedule = clock.mark()  # a point on the compute stream (a CUDA event on a GPU), read at the step's end
         try:
             with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
-                mp.schedule.step(*args, return_outputs=False, **kwargs)
+                mp.schedule.step(return_outputs=False, **kwargs)
         finally:
             for s in mp.pipeline_stages:
                 s.events = None

@@ -113,20 +113,20 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
                 x = torch.cat([b[0] for b in batches[g:g + n]])
                 y = torch.cat([b[1] for b in batches[g:g + n]])
                 obj.start(torch.ones((), device=ctx.device), torch.ones(job.model.mtp_depth, device=ctx.device))
-                args, kw = ((x, y) if model.first else ()), ({"target": y} if model.last else {})
+                kw = {"tokens_BL": x, "labels_BL": y, **({"target": y} if model.last else {})}
                 if v:
                     for p in model.parts:
                         p.balance_scale = 0.0
                     obj.weight = 0.0
                     try:
                         with torch.enable_grad():
-                            model.schedule.step(*args, return_outputs=False, **kw)
+                            model.schedule.step(return_outputs=False, **kw)
                     finally:
                         obj.weight = 1.0
                         for p in model.parts:
                             p.zero_grad(set_to_none=True)
                 else:
-                    model.schedule.eval(*args, **kw)
+                    model.schedule.eval(**kw)
                 if model.last:
                     total += torch.stack([obj.lm_sum, (y != IGNORE_INDEX).sum().double()])
     if ctx.distributed:
