@@ -30,6 +30,8 @@ from moetrain.precision.quant import Quantized, ScaleFormat, check_tile, quantis
 
 #: Compile the quantisers on CUDA (set MOETRAIN_FP8_COMPILE=0 to run them eagerly, e.g. to compare).
 _COMPILE = os.environ.get("MOETRAIN_FP8_COMPILE", "1") != "0"
+#: torch.compile backend (tests/precision/test_fused.py uses "eager" to check tracing and recompiles on a CPU).
+BACKEND = "inductor"
 _failed: list[str] = []
 
 
@@ -49,16 +51,16 @@ def _groups(x: torch.Tensor, group: torch.Tensor, n: int, fmt: ScaleFormat, chun
 
 
 @functools.cache
-def _compiled(fn: Callable[..., Any], key: tuple) -> Callable[..., Any]:
+def _compiled(fn: Callable[..., Any], key: tuple, backend: str) -> Callable[..., Any]:
     """``torch.compile`` of a fresh copy of ``fn`` (a new code object: dynamo keeps its compiled graphs and its
     recompile limit per code object) for one ``key`` (role, rank, dtype)."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(copy, dynamic=True)
+    return torch.compile(copy, dynamic=True, backend=backend)
 
 
 def _run(fn: Callable[..., Any], eager: Callable[..., Any], key: tuple, *args: Any) -> Any:
     try:
-        return _compiled(fn, key)(*args)
+        return _compiled(fn, key, BACKEND)(*args)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compiler or toolchain failure must not stop training: warn once, run eagerly

@@ -97,9 +97,10 @@ def e4m3_to_float(data: torch.Tensor) -> torch.Tensor:
     On CPU by a gather from the 256-entry table of E4M3 values: torch's CPU fp8-to-fp32 conversion is an
     element-by-element loop about 5x slower than ``index_select`` (BENCHMARKS.md, "FP8"), and it was a quarter of
     an emulated FP8 training step. Every E4M3 value is exact in fp32, so both give the same bits. Other devices,
-    and layouts that are not a permutation of a contiguous tensor, use ``data.float()``.
+    layouts that are not a permutation of a contiguous tensor, and code being compiled (``precision.fused``), use
+    ``data.float()``.
     """
-    if data.device.type != "cpu" or data.dtype != FP8_DTYPE:
+    if data.device.type != "cpu" or data.dtype != FP8_DTYPE or torch.compiler.is_compiling():
         return data.float()
     # the dims ordered by stride: a permutation of a contiguous tensor (e.g. a transposed operand) keeps its layout
     order = sorted(range(data.dim()), key=lambda d: -data.stride(d))
