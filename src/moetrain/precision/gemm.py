@@ -60,7 +60,7 @@ FAST_PATH_RTOL = 2.0 ** -(HOPPER_ACCUMULATOR_BITS - 1) * math.sqrt((PROMOTION_IN
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Largest relative error of rounding to ``dtype`` (round to nearest): 2**-24 for fp32, 2**-8 for bf16."""
-    return 2.0 ** -(torch.finfo(dtype).nmant + 1)
+    return torch.finfo(dtype).eps / 2
 
 
 def fast_path_rtol(out_dtype: torch.dtype = torch.float32) -> float:
