@@ -179,7 +179,8 @@ def time_linear() -> tuple[bool, str]:
     first = time.perf_counter() - t0
     t8 = ms(lambda: Fp8LinearFunction.apply(x, w, BLOCKWISE).backward(dy))
     tb = ms(lambda: torch.nn.functional.linear(x, wb).backward(dy))
-    return True, f"(M,K,N)=({M},{K},{N}) fwd+bwd: fp8 {t8:.3f} ms, bf16 {tb:.3f} ms, bf16/fp8 {tb / t8:.2f}x (first call {first:.1f} s)"
+    return True, (f"(M,K,N)=({M},{K},{N}) fwd+bwd: fp8 {t8:.3f} ms, bf16 {tb:.3f} ms, bf16/fp8 {tb / t8:.2f}x "
+                  f"(first call {first:.1f} s)")
 
 
 def time_experts() -> tuple[bool, str]:

@@ -177,8 +177,8 @@ class RowwiseFp8GroupedMM(torch.autograd.Function):
             if kernel:
                 xq = fused.quantise(x_PK, r.expert_row_tile, r.fmt)
                 wq = fused.quantise(w_ENK, r.expert_row_tile, r.fmt)
-                y = torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xq.scale.squeeze(-1), wq.scale.squeeze(-1),
-                                             offs=offs_E, out_dtype=torch.bfloat16)
+                y = torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xq.scale.squeeze(-1),
+                                             wq.scale.squeeze(-1), offs=offs_E, out_dtype=torch.bfloat16)
                 xg, sxg = fused.quantise_by_group(x_PK, group_P, E, r.fmt, chunk, column_major=True)
                 ctx.save_for_backward(xg, sxg, w_ENK, offs_E, group_P)
             else:
