@@ -17,6 +17,9 @@ check failed. ``--eager`` runs the quantisers uncompiled (MOETRAIN_FP8_COMPILE=0
   (information: moetrain zeroes those experts' gradients anyway).
 * ``time linear`` / ``time experts``: FP8 forward+backward against bf16 at DeepSeek-V3 shapes (ms, median of 10
   after warm-up; the first call's compile time is reported apart).
+* ``time expert fprop: grouped row-wise vs per-expert blockwise``: the GEMM alone on quantised operands, the
+  row-wise grouped kernel against a loop of blockwise ``scaled_mm`` over the experts (DeepSeek-V3's tiles, which
+  would need the per-expert counts on the host): the speed side of the choice ``recipe.py`` explains.
 """
 
 from __future__ import annotations
@@ -205,6 +208,22 @@ def time_experts() -> tuple[bool, str]:
                   f"bf16/fp8 {tb / t8:.2f}x; fwd only: fp8 {f8:.3f} ms, bf16 {fb:.3f} ms (first call {first:.1f} s)")
 
 
+def time_expert_tilings() -> tuple[bool, str]:
+    E, rows, D, N = 8, 2048, 7168, 4096
+    x = torch.randn(E * rows, D, device=DEV)
+    w = torch.randn(E, N, D, device=DEV)
+    xr, wr = quantise(x, (1, 1 << 62)), quantise(w, (1, 1 << 62))
+    offs = (torch.arange(1, E + 1, device=DEV) * rows).to(torch.int32)
+    xb = [quantise(x[e * rows:(e + 1) * rows], (1, 128)) for e in range(E)]
+    wb = [quantise(w[e], (128, 128)) for e in range(E)]
+    t_row = ms(lambda: torch._scaled_grouped_mm(xr.data, wr.data.transpose(-2, -1), xr.scale.squeeze(-1),
+                                                wr.scale.squeeze(-1), offs=offs, out_dtype=torch.bfloat16))
+    t_blk = ms(lambda: [scaled_mm_fast(a, b, torch.bfloat16) for a, b in zip(xb, wb)])
+    fl = 2 * E * rows * D * N
+    return True, (f"(E,rows,K,N)=({E},{rows},{D},{N}): grouped row-wise {t_row:.3f} ms ({fl / t_row / 1e9:.0f} "
+                  f"TFLOP/s), per-expert blockwise loop {t_blk:.3f} ms ({fl / t_blk / 1e9:.0f} TFLOP/s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eager", action="store_true", help="quantisers uncompiled (MOETRAIN_FP8_COMPILE=0)")
@@ -223,6 +242,7 @@ def main() -> int:
     check("raw 2d-2d empty group", raw_empty_group)
     check("time linear", time_linear)
     check("time experts", time_experts)
+    check("time expert fprop: grouped row-wise vs per-expert blockwise", time_expert_tilings)
     if args.json:
         args.json.write_text(json.dumps(RESULTS, indent=1))
     failed = [r["check"] for r in RESULTS if not r["ok"]]

@@ -124,6 +124,29 @@ def _padded_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return devices.contiguous(F.pad(data.view(torch.uint8), (0, cols - C, 0, rows - R))).view(FP8_DTYPE)
 
 
+_CPU_ROWWISE: list[bool] = []
+
+
+def cpu_rowwise_kernel() -> bool:
+    """Whether this torch build has a CPU kernel for row-wise ``F.scaled_mm`` (torch 2.13 has; torch 2.11 raises
+    NotImplementedError for ``aten::_scaled_mm_v2`` on CPU). Tried once on a 16x16 zero operand (not cached when
+    tried under a tensor mode such as FakeTensorMode, where no kernel runs)."""
+    if _CPU_ROWWISE:
+        return _CPU_ROWWISE[0]
+    if not hasattr(F, "scaled_mm"):
+        return False
+    a = torch.zeros(16, 16).to(FP8_DTYPE)
+    if type(a) is not torch.Tensor:
+        return False
+    S = F.ScalingType
+    try:
+        F.scaled_mm(a, a.t(), torch.ones(16, 1), S.RowWise, torch.ones(1, 16), S.RowWise, output_dtype=torch.float32)
+        _CPU_ROWWISE.append(True)
+    except NotImplementedError:
+        _CPU_ROWWISE.append(False)
+    return _CPU_ROWWISE[0]
+
+
 def blockwise_kernel(device: torch.device) -> bool:
     """Whether ``device`` has torch's blockwise (1x128 / 128x128) ``scaled_mm``: a Hopper GPU (sm90)."""
     return device.type == "cuda" and hasattr(F, "scaled_mm") and devices.cuda_capability(device)[0] == 9
@@ -146,7 +169,7 @@ def scaled_mm_fast(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.fl
         return _blockwise_mm(a, b, out_dtype)
     if a.fmt == b.fmt == "e8m0" and a.tile == b.tile == (1, 32) and mx_kernel(dev):
         return _mx_mm(a, b, out_dtype)
-    if dev.type == "cpu" and _one_tile_per_row(a) and _one_tile_per_row(b):
+    if dev.type == "cpu" and _one_tile_per_row(a) and _one_tile_per_row(b) and cpu_rowwise_kernel():
         S = F.ScalingType
         y = F.scaled_mm(devices.contiguous(a.data), devices.contiguous(b.data).t(), _rowwise_scales(a), S.RowWise,
                         _rowwise_scales(b).t(), S.RowWise, output_dtype=torch.float32)

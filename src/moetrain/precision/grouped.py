@@ -52,7 +52,7 @@ class AlignedLayout:
         valid_S: bool, rows that belong to a group (False for capacity padding past sum(tokens_per_expert)).
         offs_E: int32 cumulative ends of the aligned groups (each a multiple of ``align``), the ``offs`` of a
             grouped GEMM.
-        n_rows: P, rows of the aligned tensor.
+        n_rows: P, rows of the aligned tensor, a multiple of ``align``.
     """
 
     dest_S: torch.Tensor
@@ -66,8 +66,9 @@ def aligned_layout(tokens_per_expert_E: torch.Tensor, n_rows: int, align: int,
     """The aligned layout of ``n_rows`` rows grouped by expert, each group padded to a multiple of ``align``.
 
     Without ``counts`` (host copies of the per-expert counts) nothing leaves the device: P is the static bound
-    ``n_rows + E * (align - 1)``, rounded up to ``align``. With them P is exact (the sum of the aligned groups, plus
-    any rows past the groups). Raises ValueError for ``align < 1``.
+    ``n_rows + E * (align - 1)``; with them, the sum of the aligned groups plus any rows past the groups. Either is
+    rounded up to ``align``: the wgrad's FP8 operands are laid out (K, P) row-major, and torch's grouped kernels
+    need rows of a multiple of 16 bytes. Raises ValueError for ``align < 1``.
     """
     if align < 1:
         raise ValueError(f"align={align} must be >= 1")
@@ -89,8 +90,8 @@ def aligned_layout(tokens_per_expert_E: torch.Tensor, n_rows: int, align: int,
     if counts is not None:
         P = sum(-(-n // align) * align for n in counts) + (n_rows - sum(counts))
     else:
-        P = -(-(n_rows + E * (align - 1)) // align) * align
-    return AlignedLayout(dest_S, valid_S, aligned_ends.to(torch.int32), P)
+        P = n_rows + E * (align - 1)
+    return AlignedLayout(dest_S, valid_S, aligned_ends.to(torch.int32), -(-P // align) * align)
 
 
 def to_aligned(x_SD: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
@@ -146,7 +147,8 @@ def grouped_kernel(device: torch.device) -> bool:
 
 def _chunk(recipe: Fp8Recipe, n_rows: int) -> int:
     """Rows per chunk for the per-group maxima (``quant.group_amax``): the groups start at multiples of
-    ``recipe.group_align`` (the layout's contract), so chunks of that many rows lie in one group."""
+    ``recipe.group_align`` and P is one (:func:`aligned_layout`), so chunks of that many rows lie in one group;
+    1 for a P that is not (a layout made otherwise)."""
     return recipe.group_align if n_rows % recipe.group_align == 0 else 1
 
 
