@@ -52,8 +52,8 @@ from moetrain.precision.recipe import BLOCKWISE  # noqa: E402
 DEV = torch.device("cuda")
 RESULTS: list[dict[str, Any]] = []
 #: (M tokens, [(K, N) of FP8 linears]) per preset: MLA's kv_a (N = 576 / 288 / 48, not multiples of 128), a dense
-#: or shared-expert projection, and a down projection.
-LINEARS = {"tiny": (1024, [(128, 48), (128, 384), (384, 128)]),
+#: or shared-expert projection, and a down projection. For the wgrad M is the contraction, padded to 128.
+LINEARS = {"tiny": (1000, [(128, 48), (128, 384), (384, 128)]),  # M = 1000: not a multiple of 16
            "small": (2048, [(768, 288), (768, 3072), (256, 768)]),
            "deepseek-v3-671b": (4096, [(7168, 576), (7168, 2048), (2048, 7168)])}
 #: (local experts, model dim D, expert FFN dim F) per preset (DeepSeek-V3: 8 of 256 experts per rank).

@@ -11,12 +11,13 @@ is the hardware path where one exists for the operands' tiling, else None:
 * CUDA Blackwell (sm100+), MXFP8 (both 1x32, E8M0 scales): ``scaled_mm`` with ``BlockWise1x32`` scales in the
   swizzled 32x4x4 layout.
 * CPU, both operands with one tile per row (K <= the tile length): row-wise ``scaled_mm``, the only scaling
-  torch's CPU kernel accepts (docs/reference.md section 11).
+  torch's CPU kernel accepts (docs/reference.md section 11; torch 2.13 has the kernel, 2.11 none).
 
 Shapes: torch's checks ask for K and N multiples of 16 and read the block scales as (.., K // 128) and (N // 128,
 ..) (floor), so a partial block of 128 would be misread. The data is therefore zero-padded to K and (for 128x128
 B) N multiples of 128 (32 for MX), N to 16 otherwise, and the output sliced back: zeros are exactly what the edge
-tiles' definition adds (quant.py), and they contribute nothing to the sums. M is free (no check reads it).
+tiles' definition adds (quant.py), and they contribute nothing to the sums. No check reads M (the GPU
+check, benchmarks/fp8_gpu_verify.py, includes an M that is not a multiple of 16).
 
 Where no kernel applies on CUDA (blockwise off Hopper, MXFP8 before Blackwell), :func:`fp8_mm` warns once and
 multiplies the dequantised operands with TF32 (:func:`tf32_matmul`).
