@@ -38,8 +38,8 @@ class Fp8LinearFunction(torch.autograd.Function):
     (``gemm.uses_fp8_kernel``), as their dequantised fp32 values on the reference path, which multiplies those
     values (the same numbers; 4 bytes an element instead of 1). Each GEMM writes its result in the dtype it
     returns (a kernel rounds its fp32 accumulator once). The wgrad's operands, (128x1) / (32x1) tiles of dy and x
-    (recipe table), are quantised as the (1x128) / (1x32) tiles of dy^T and x^T: the same tiles, with the data
-    laid out row-major along the tokens, as the kernel reads it.
+    (recipe table), are quantised for a kernel as the (1x128) / (1x32) tiles of dy^T and x^T: the same tiles, with
+    the data laid out row-major along the tokens, as the kernel reads it.
     """
 
     @staticmethod
@@ -81,13 +81,14 @@ class Fp8LinearFunction(torch.autograd.Function):
                 # dx = dy W: W^T (K, N) is the "(N', K')" operand of the GEMM with contraction over N.
                 dx = operand_mm(dyq, operand_t(wq_dgrad), ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dyq_t = operand(dy_MN.t(), r.row_tile, r.fmt, kernel)
-                if not r.requantise_saved_input:
-                    xq_t = operand(x_MK.t(), r.row_tile, r.fmt, kernel)
-                elif isinstance(xq, Quantized):
-                    xq_t = requantise_t(xq, r.row_tile)
-                else:  # the reference path saved the values
-                    xq_t = operand(xq.t(), r.row_tile, r.fmt, kernel)
+                x_src = xq if r.requantise_saved_input else x_MK
+                if kernel:  # the transposes quantised in row tiles: row-major along the tokens, as the kernel reads
+                    dyq_t = operand(dy_MN.t(), r.row_tile, r.fmt, kernel)
+                    xq_t = (requantise_t(x_src, r.row_tile) if isinstance(x_src, Quantized)
+                            else operand(x_src.t(), r.row_tile, r.fmt, kernel))
+                else:  # the same values from column tiles of the contiguous tensors (no transposing copies)
+                    dyq_t = operand_t(operand(dy_MN, r.col_tile, r.fmt, kernel))
+                    xq_t = operand_t(operand(x_src, r.col_tile, r.fmt, kernel))
                 dw = operand_mm(dyq_t, xq_t, ctx.w_dtype)
         return dx, dw, None
 
