@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from moetrain.precision.quant import (E4M3_MAX, FP8_DTYPE, cast_e4m3, e4m3_to_float, expand_tiles, fake_quantise,
-                                      quantise, round_to_e4m3, scales_from_amax, tile_amax)
+from moetrain.precision.quant import (E4M3_MAX, FP8_DTYPE, WHOLE, cast_e4m3, e4m3_to_float, expand_tiles,
+                                      fake_quantise, fake_quantise_groups, group_amax, quantise, quantise_groups,
+                                      round_to_e4m3, scales_from_amax, tile_amax)
 
 
 def test_cast_e4m3_rounds_to_nearest_even_and_saturates():
@@ -202,3 +203,54 @@ def test_fake_quantise_saturates_under_a_subnormal_scale():
     got, want = fake_quantise(x, (1, 128), "fp32"), quantise(x, (1, 128), "fp32").dequantise()
     assert torch.equal(got, want)
     assert (quantise(x, (1, 128), "fp32").data.float().abs() <= E4M3_MAX).all()
+
+
+def test_whole_dim_tiles_are_one_scale_per_row_or_column():
+    x = torch.tensor([[1.0, -300.0, 2.0], [0.5, 0.25, 0.0], [0.0, 0.0, 0.0]])
+    rows = quantise(x, (1, WHOLE))
+    assert rows.scale.shape == (3, 1)
+    assert torch.equal(rows.scale[:, 0], torch.tensor([300 / 448, 0.5 / 448, 1.0]))
+    cols = quantise(x, (WHOLE, 1))
+    assert torch.equal(cols.scale, torch.tensor([[1 / 448, 300 / 448, 2 / 448]]))
+    # a (1, WHOLE) tile over 3-D weights: one scale per row of each expert
+    w = torch.randn(2, 5, 7)
+    assert quantise(w, (1, WHOLE)).scale.shape == (2, 5, 1)
+    assert expand_tiles(rows.scale, (1, WHOLE), x.shape).shape == x.shape
+    torch.testing.assert_close(fake_quantise(x, (1, WHOLE)), rows.dequantise(), rtol=0, atol=0)
+
+
+def test_group_scales_by_hand():
+    # rows 0-1 group 0, rows 2-3 group 2 (group 1 empty), row 4 past the groups (index 3 = G): no group
+    x = torch.tensor([[1.0, -8.0], [-4.0, 2.0], [0.5, 0.0], [0.25, -0.75], [1000.0, 1000.0]])
+    g = torch.tensor([0, 0, 2, 2, 3])
+    assert torch.equal(group_amax(x, g, 3), torch.tensor([[4.0, 8.0], [0.0, 0.0], [0.5, 0.75]]))
+    data, scale = quantise_groups(x, g, 3)
+    assert torch.equal(scale, torch.tensor([[4 / 448, 8 / 448], [1.0, 1.0], [0.5 / 448, 0.75 / 448]]))
+    # each group's largest magnitude of a column maps to 448; the row in no group is cast with scale 1
+    assert data.float()[1, 0] == -448.0 and data.float()[0, 1] == -448.0 and data.float()[3, 1] == -448.0
+    assert torch.equal(data.float()[4], torch.tensor([448.0, 448.0]))
+    deq = data.float() * torch.cat([scale, torch.ones(1, 2)])[torch.tensor([0, 0, 2, 2, 3])]
+    assert torch.equal(fake_quantise_groups(x, g, 3), deq)
+    # a column of a group is exactly a tile: the same values as quantising that group's rows in (WHOLE, 1) tiles
+    assert torch.equal(fake_quantise_groups(x, g, 3)[:2], fake_quantise(x[:2], (WHOLE, 1)))
+    assert torch.equal(data.view(torch.uint8), quantise_groups(x, g, 3, column_major=True)[0].contiguous()
+                       .view(torch.uint8))
+
+
+def test_group_scales_chunked_equal_unchunked_and_nan_spreads_only_in_its_group():
+    torch.manual_seed(0)
+    counts = [32, 0, 48, 16]
+    P = sum(counts) + 16  # 16 rows past the groups
+    g = torch.repeat_interleave(torch.arange(5), torch.tensor(counts + [16]))  # 4 = no group
+    x = torch.randn(P, 40) * torch.logspace(-3, 3, 40)
+    x[P - 16:] = 0
+    for fmt in ("fp32", "e8m0"):
+        one = quantise_groups(x, g, 4, fmt)
+        chunked = quantise_groups(x, g, 4, fmt, rows_per_chunk=16)
+        assert torch.equal(one[1], chunked[1]) and torch.equal(one[0].view(torch.uint8), chunked[0].view(torch.uint8))
+        assert torch.equal(fake_quantise_groups(x, g, 4, fmt, 16), fake_quantise_groups(x, g, 4, fmt))
+    x[40, 3] = float("nan")  # row 40 is in group 2
+    v = fake_quantise_groups(x, g, 4, "fp32", 16)
+    assert torch.isnan(v[32:80, 3]).all() and not torch.isnan(v[:32]).any() and not torch.isnan(v[32:80, :3]).any()
+    x[40, 3] = float("inf")
+    assert torch.isnan(fake_quantise_groups(x, g, 4, "fp32", 16)[32:80, 3]).all()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain import devices
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import SwiGLU
 from moetrain.model.phases import carry, current_tape, weight_grad
@@ -142,7 +143,7 @@ def _grouped_mm_supported(x: torch.Tensor, *row_lens: int) -> bool:
         return True
     if x.device.type == "cuda":
         # The CUDA kernel is bf16-only and needs sm90+ (Hopper) or newer.
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        return x.dtype == torch.bfloat16 and devices.cuda_capability(x.device)[0] >= 9
     return False
 
 
@@ -163,18 +164,18 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x_SK, w_ENK, offs_E)
         ctx.may_pad = may_pad
         y_SN = torch._grouped_mm(x_SK, w_ENK.transpose(-2, -1), offs=offs_E)
-        return _zero_rows_from(y_SN, offs_E[-1]) if may_pad else y_SN
+        return _zero_rows_from(y_SN, offs_E.select(0, -1)) if may_pad else y_SN
 
     @staticmethod
     def backward(ctx: Any, grad_SN: torch.Tensor):  # type: ignore[override]
         x_SK, w_ENK, offs_E = ctx.saved_tensors
         # autograd runs backward outside autocast: the incoming gradient may be in another dtype than the operands
-        grad_SN = grad_SN.to(x_SK.dtype).contiguous()
+        grad_SN = devices.contiguous(grad_SN.to(x_SK.dtype))
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_SN, w_ENK, offs=offs_E)
             if ctx.may_pad:
-                grad_x = _zero_rows_from(grad_x, offs_E[-1])
+                grad_x = _zero_rows_from(grad_x, offs_E.select(0, -1))
         # Rows past offs[-1] and experts with no rows contribute nothing to grad_w; the kernel leaves empty groups'
         # gradient at zero.
         grad_w = (weight_grad(w_ENK, lambda: torch._grouped_mm(grad_SN.t(), x_SK, offs=offs_E))

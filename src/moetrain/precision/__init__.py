@@ -1,9 +1,12 @@
 """FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes, ``apply_fp8``.
 
 * :mod:`~moetrain.precision.quant` -- E4M3 casts, tile/block scales (fp32 and E8M0), dequantisation.
-* :mod:`~moetrain.precision.gemm` -- FP8 GEMM reference (fp32 GEMM of dequantised operands) and fast paths.
+* :mod:`~moetrain.precision.gemm` -- FP8 GEMM reference (fp32 GEMM of dequantised operands), fast paths and their
+  tolerance (``FAST_PATH_RTOL``, ``fast_path_rtol``).
+* :mod:`~moetrain.precision.fused` -- the quantisers of the kernels' operands, ``torch.compile``d on CUDA.
 * :mod:`~moetrain.precision.linear` -- autograd FP8 linear (fprop, dgrad, wgrad) and :class:`Fp8Linear`.
-* :mod:`~moetrain.precision.grouped` -- aligned expert groups and the FP8 grouped GEMM of the routed experts.
+* :mod:`~moetrain.precision.grouped` -- aligned expert groups and the FP8 grouped GEMM of the routed experts
+  (``fp8_grouped_mm``; ``grouped_reference``, its definition, for checks on a GPU).
 * :mod:`~moetrain.precision.recipe` -- the "blockwise" (DeepSeek-V3) and "mxfp8" (OCP MX) recipes.
 
 See docs/fp8.md for the recipes and their sources.

@@ -1,11 +1,28 @@
 """FP8 grouped GEMM for routed experts, on rows padded so that every expert's group is aligned.
 
 Rows arrive grouped by expert (``tokens_per_expert_E`` rows each, in expert order, possibly followed by capacity
-padding rows). The weight-gradient GEMM of an expert contracts over *its* tokens, quantised in token-dim tiles of
-``recipe.block`` rows, so no tile may hold rows of two experts: :func:`aligned_layout` places each group at a
-multiple of ``recipe.group_align`` rows (as DeepGEMM's and torchao's grouped FP8 kernels want their groups, see
-docs/reference.md section 13), computed on the device without a host sync. Padding rows are zeros: they never raise
-a tile's amax, give zero outputs (0 @ W = 0, silu(0) * 0 = 0), carry zero gradients, and are dropped on the way out.
+padding rows). :func:`aligned_layout` places each group at a multiple of ``recipe.group_align`` rows, computed on the
+device without a host sync: 16 for the row-wise experts of the blockwise recipe (each group starts 16 bytes into
+the FP8 rows the weight-gradient GEMM contracts over, as torch's grouped kernels need), a multiple of the tile for
+tiled recipes (a token-dim tile of the wgrad never holds rows of two experts; DeepGEMM's and torchao's grouped
+layouts, docs/reference.md section 13). Padding rows are zeros: they never raise a scale's amax, give zero outputs
+(0 @ W = 0, silu(0) * 0 = 0), carry zero gradients, and are dropped on the way out.
+
+Two tilings (``recipe.expert_scaling``, table in ``recipe.py``):
+
+* "rowwise" (:class:`RowwiseFp8GroupedMM`): one scale per token row and per weight row (fprop), per token row and
+  per weight column (dgrad), per (expert, column) over the expert's tokens (wgrad). On CUDA Hopper and Blackwell
+  (:func:`grouped_kernel`) the three GEMMs run ``torch._scaled_grouped_mm`` on FP8 data (fprop and dgrad 2d x 3d,
+  wgrad 2d x 2d, bf16 output: the only one torch allows), with quantisers compiled by ``precision.fused``; elsewhere
+  (CPU) they multiply the same quantised values in fp32 (``torch._grouped_mm``), the definition.
+* "tiles" (:class:`Fp8GroupedMMFunction`, the mxfp8 recipe): the linear's tiles, reference GEMMs on every device
+  (fp32 on CPU; on CUDA bf16 ``_grouped_mm`` of the dequantised values, exact for E8M0 scales), with a one-time
+  warning on CUDA. torch has an MX grouped GEMM (``F.scaled_grouped_mm`` with ``BlockWise1x32``) but no meta kernel
+  for it (torch 2.11 and 2.13: "no fake impl or Meta kernel registered" for ``aten::_scaled_grouped_mm_v2``), so
+  its operands cannot be checked on a CPU-only build; it is not used until they can be.
+
+Timing and checking the row-wise path on a GPU: :func:`fp8_grouped_mm` (forward; ``.backward`` for dgrad and wgrad)
+against :func:`grouped_reference` within ``gemm.fast_path_rtol(torch.bfloat16)`` (benchmarks/fp8_gpu_verify.py).
 
 Shape legend: S rows in, P padded rows, E experts (local), D model dim, F expert FFN dim, K / N a GEMM's in / out.
 """
@@ -18,8 +35,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from moetrain import devices
+from moetrain.precision import fused
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
-from moetrain.precision.quant import fake_quantise
+from moetrain.precision.gemm import warn_emulated
+from moetrain.precision.quant import fake_quantise, fake_quantise_groups
 from moetrain.precision.recipe import Fp8Recipe
 
 
@@ -32,7 +52,7 @@ class AlignedLayout:
         valid_S: bool, rows that belong to a group (False for capacity padding past sum(tokens_per_expert)).
         offs_E: int32 cumulative ends of the aligned groups (each a multiple of ``align``), the ``offs`` of a
             grouped GEMM.
-        n_rows: P, rows of the aligned tensor.
+        n_rows: P, rows of the aligned tensor, a multiple of ``align``.
     """
 
     dest_S: torch.Tensor
@@ -46,8 +66,9 @@ def aligned_layout(tokens_per_expert_E: torch.Tensor, n_rows: int, align: int,
     """The aligned layout of ``n_rows`` rows grouped by expert, each group padded to a multiple of ``align``.
 
     Without ``counts`` (host copies of the per-expert counts) nothing leaves the device: P is the static bound
-    ``n_rows + E * (align - 1)``, rounded up to ``align``. With them P is exact (the sum of the aligned groups, plus
-    any rows past the groups). Raises ValueError for ``align < 1``.
+    ``n_rows + E * (align - 1)``; with them, the sum of the aligned groups plus any rows past the groups. Either is
+    rounded up to ``align``: the wgrad's FP8 operands are laid out (K, P) row-major, and torch's grouped kernels
+    need rows of a multiple of 16 bytes. Raises ValueError for ``align < 1``.
     """
     if align < 1:
         raise ValueError(f"align={align} must be >= 1")
@@ -63,14 +84,14 @@ def aligned_layout(tokens_per_expert_E: torch.Tensor, n_rows: int, align: int,
     expert_S = torch.searchsorted(ends, rows, right=True)  # E for rows past the groups
     valid_S = expert_S < E
     e = expert_S.clamp(max=E - 1)
-    tail_start = aligned_ends[-1] if E else torch.zeros((), dtype=torch.int64, device=dev)
-    total = ends[-1] if E else torch.zeros((), dtype=torch.int64, device=dev)
-    dest_S = torch.where(valid_S, aligned_starts[e] + rows - starts[e], tail_start + rows - total)
+    tail_start = aligned_ends.select(0, -1) if E else torch.zeros((), dtype=torch.int64, device=dev)
+    total = ends.select(0, -1) if E else torch.zeros((), dtype=torch.int64, device=dev)
+    dest_S = torch.where(valid_S, (aligned_starts - starts).index_select(0, e) + rows, tail_start + rows - total)
     if counts is not None:
         P = sum(-(-n // align) * align for n in counts) + (n_rows - sum(counts))
     else:
-        P = -(-(n_rows + E * (align - 1)) // align) * align
-    return AlignedLayout(dest_S, valid_S, aligned_ends.to(torch.int32), P)
+        P = n_rows + E * (align - 1)
+    return AlignedLayout(dest_S, valid_S, aligned_ends.to(torch.int32), -(-P // align) * align)
 
 
 def to_aligned(x_SD: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
@@ -84,6 +105,13 @@ def from_aligned(y_PD: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
     return torch.where(layout.valid_S.unsqueeze(-1), y_PD.index_select(0, layout.dest_S), 0)
 
 
+def group_index(offs_E: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """The group of each of ``n_rows`` rows grouped by ``offs_E`` (cumulative ends): int64 (P,), E for rows past
+    offs[-1]. On the device, no sync."""
+    rows = torch.arange(n_rows, device=offs_E.device)
+    return torch.searchsorted(offs_E.to(torch.int64), rows, right=True)
+
+
 def _zero_tail(t: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(t.shape[0], device=t.device)
     return torch.where((rows < end).unsqueeze(-1), t, 0)
@@ -93,14 +121,14 @@ def _gmm(a_PK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch
     """fp32 y_p = a_p @ b[e(p)]^T for rows grouped by ``offs_E``; rows past offs[-1] are zero. (P, K) -> (P, N).
 
     CPU: ``torch._grouped_mm`` in fp32. CUDA: its kernel is bf16-only (fp32 accumulation, bf16 output); the MXFP8
-    operands are exact in bf16 (E4M3 values times powers of two), the blockwise ones are rounded to bf16 (2**-9
-    relative per element), and the output is rounded to bf16 once. Not run here (no GPU).
+    operands are exact in bf16 (E4M3 values times powers of two), fp32-scaled ones are rounded to bf16 (2**-9
+    relative per element), and the output is rounded to bf16 once.
     """
     if a_PK.device.type == "cuda":
         y = torch._grouped_mm(a_PK.bfloat16(), b_ENK.bfloat16().transpose(-2, -1), offs=offs_E).float()
     else:
         y = torch._grouped_mm(a_PK, b_ENK.transpose(-2, -1), offs=offs_E)
-    return _zero_tail(y, offs_E[-1])
+    return _zero_tail(y, offs_E.select(0, -1))
 
 
 def _gmm_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
@@ -110,8 +138,99 @@ def _gmm_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor) ->
     return torch._grouped_mm(dy_PN.t(), x_PK, offs=offs_E)
 
 
+def grouped_kernel(device: torch.device) -> bool:
+    """Whether ``device`` runs torch's row-wise FP8 grouped GEMM (``torch._scaled_grouped_mm``): CUDA sm90 (Hopper)
+    or sm100 (Blackwell), the architectures its kernels are built for."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
+            and devices.cuda_capability(device)[0] in (9, 10))
+
+
+def _chunk(recipe: Fp8Recipe, n_rows: int) -> int:
+    """Rows per chunk for the per-group maxima (``quant.group_amax``): the groups start at multiples of
+    ``recipe.group_align`` and P is one (:func:`aligned_layout`), so chunks of that many rows lie in one group;
+    1 for a P that is not (a layout made otherwise)."""
+    return recipe.group_align if n_rows % recipe.group_align == 0 else 1
+
+
+class RowwiseFp8GroupedMM(torch.autograd.Function):
+    """y_PN = x_PK @ w_ENK[e(p)]^T with the "rowwise" expert tiling (``recipe.py``), fprop / dgrad / wgrad in FP8.
+
+    x rows are grouped by ``offs_E`` (int32 cumulative ends, each a multiple of ``recipe.group_align``); rows past
+    offs[-1] give zero output and zero gradient. forward(x_PK, w_ENK, offs_E, recipe, out_dtype) -> (P, N) in
+    ``out_dtype``; backward gives dx in x's dtype, dW in W's. Saved for the backward: the wgrad's x, quantised per
+    (expert, column) (FP8 data, (K, P) row-major, and (E, K) scales on the kernel path; its fp32 values on the
+    reference path), the weight parameter itself, offs and the row groups. Kernel path (:func:`grouped_kernel`):
+    the outputs of all three GEMMs are bf16 (torch's only output dtype for them), then cast to the dtypes above.
+    """
+
+    @staticmethod
+    @runs_no_bf16_gemm
+    def forward(ctx: Any, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: Fp8Recipe,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        r = recipe
+        P, E = x_PK.shape[0], w_ENK.shape[0]
+        kernel = grouped_kernel(x_PK.device)
+        if not kernel and x_PK.device.type == "cuda":
+            warn_emulated("routed-expert GEMMs", r.fmt, x_PK.device,
+                          "torch's FP8 grouped GEMM (_scaled_grouped_mm) runs on sm90 and sm100 only")
+        group_P = group_index(offs_E, P)
+        chunk = _chunk(r, P)
+        with torch.autocast(x_PK.device.type, enabled=False):
+            if kernel:
+                xq = fused.quantise(x_PK, r.expert_row_tile, r.fmt)
+                wq = fused.quantise(w_ENK, r.expert_row_tile, r.fmt)
+                y = torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xq.scale.squeeze(-1),
+                                             wq.scale.squeeze(-1), offs=offs_E, out_dtype=torch.bfloat16)
+                xg, sxg = fused.quantise_by_group(x_PK, group_P, E, r.fmt, chunk, column_major=True)
+                ctx.save_for_backward(xg, sxg, w_ENK, offs_E, group_P)
+            else:
+                y = _gmm(fake_quantise(x_PK, r.expert_row_tile, r.fmt),
+                         fake_quantise(w_ENK, r.expert_row_tile, r.fmt), offs_E)
+                xg = fake_quantise_groups(x_PK, group_P, E, r.fmt, chunk)
+                ctx.save_for_backward(xg, w_ENK, offs_E, group_P)
+        ctx.recipe, ctx.kernel, ctx.chunk = r, kernel, chunk
+        ctx.x_dtype = x_PK.dtype
+        return _zero_tail(y, offs_E.select(0, -1)).to(out_dtype)
+
+    @staticmethod
+    @runs_no_bf16_gemm
+    def backward(ctx: Any, dy_PN: torch.Tensor):  # type: ignore[override]
+        r: Fp8Recipe = ctx.recipe
+        if ctx.kernel:
+            xg, sxg, w_ENK, offs_E, group_P = ctx.saved_tensors
+        else:
+            xg, w_ENK, offs_E, group_P = ctx.saved_tensors
+        E = w_ENK.shape[0]
+        dx = dw = None
+        with torch.autocast(dy_PN.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                if ctx.kernel:
+                    dyq = fused.quantise(dy_PN, r.expert_row_tile, r.fmt)
+                    # W per input column over N: the rows of W^T (E, K, N), laid out as the kernel's (E, N, K)
+                    wq = fused.quantise(w_ENK.transpose(-2, -1), r.expert_row_tile, r.fmt)
+                    dx = torch._scaled_grouped_mm(dyq.data, wq.data.transpose(-2, -1), dyq.scale.squeeze(-1),
+                                                  wq.scale.squeeze(-1), offs=offs_E, out_dtype=torch.bfloat16)
+                else:
+                    dx = _gmm(fake_quantise(dy_PN, r.expert_row_tile, r.fmt),
+                              fake_quantise(w_ENK, r.expert_col_tile, r.fmt).transpose(-2, -1), offs_E)
+                dx = _zero_tail(dx, offs_E.select(0, -1)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                if ctx.kernel:
+                    dyg, sdyg = fused.quantise_by_group(dy_PN, group_P, E, r.fmt, ctx.chunk, column_major=True)
+                    dw = torch._scaled_grouped_mm(dyg.t(), xg, sdyg.reshape(-1), sxg.reshape(-1), offs=offs_E,
+                                                  out_dtype=torch.bfloat16)
+                    # an expert without rows has no K-group to write: its gradient is zero by definition
+                    counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+                    dw = torch.where((counts_E > 0).view(E, 1, 1), dw, 0)
+                else:
+                    dw = _gmm_wgrad(fake_quantise_groups(dy_PN, group_P, E, r.fmt, ctx.chunk), xg, offs_E)
+                dw = dw.to(w_ENK.dtype)
+        return dx, dw, None, None, None
+
+
 class Fp8GroupedMMFunction(torch.autograd.Function):
-    """y_PN = x_PK @ w_ENK[e(p)]^T on an aligned layout, fprop / dgrad / wgrad in FP8 per ``recipe``.
+    """y_PN = x_PK @ w_ENK[e(p)]^T on an aligned layout, fprop / dgrad / wgrad in FP8 with the recipe's tiles
+    ("tiles" expert scaling), reference GEMMs (see the module docstring).
 
     x rows are grouped by ``offs_E`` (int32 cumulative ends, each a multiple of ``recipe.group_align``); rows past
     offs[-1] give zero output and zero gradient. Expert weights are quantised per expert (tiles never cross
@@ -122,6 +241,9 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
     @runs_no_bf16_gemm
     def forward(ctx: Any, x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: Fp8Recipe,
                 out_dtype: torch.dtype) -> torch.Tensor:
+        if x_PK.device.type == "cuda":
+            warn_emulated("routed-expert GEMMs", recipe.fmt, x_PK.device,
+                          f"moetrain has no FP8 grouped kernel for {recipe.name}'s tiles (grouped.py)")
         xq = fake_quantise(x_PK, recipe.row_tile, recipe.fmt)
         wq = fake_quantise(w_ENK, recipe.weight_fprop_tile, recipe.fmt)
         with torch.autocast(x_PK.device.type, enabled=False):
@@ -158,8 +280,50 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
 
 def fp8_grouped_mm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, recipe: Fp8Recipe,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:class:`Fp8GroupedMMFunction` on an aligned layout: (P, K), (E, N, K) stored layout -> (P, N)."""
-    return Fp8GroupedMMFunction.apply(x_PK, w_ENK, offs_E, recipe, out_dtype or x_PK.dtype)
+    """The routed experts' FP8 grouped GEMM on an aligned layout: y_p = x_p @ w_ENK[e(p)]^T, (P, K), (E, N, K)
+    stored layout -> (P, N) in ``out_dtype`` (default x's), autograd through dgrad and wgrad in FP8.
+
+    ``offs_E``: int32 cumulative group ends, each a multiple of ``recipe.group_align`` (:func:`aligned_layout`);
+    rows past offs[-1] give zeros. Tiling per ``recipe.expert_scaling``: :class:`RowwiseFp8GroupedMM` or
+    :class:`Fp8GroupedMMFunction`. Works on fake CUDA tensors (no host sync).
+    """
+    fn = RowwiseFp8GroupedMM if recipe.expert_scaling == "rowwise" else Fp8GroupedMMFunction
+    return fn.apply(x_PK, w_ENK, offs_E, recipe, out_dtype or x_PK.dtype)
+
+
+def grouped_reference(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Tensor, dy_PN: torch.Tensor,
+                      recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The definition of :func:`fp8_grouped_mm`'s three GEMMs, written out per expert in fp32 (TF32 off):
+    returns (y (P, N), dx (P, K), dW (E, N, K)) for the output gradient ``dy_PN``, all fp32, rows past offs[-1]
+    zero. Reads ``offs_E`` on the host (one sync): for checks, not for training. "rowwise" experts only.
+
+    Raises:
+        ValueError: a recipe whose experts are not "rowwise".
+    """
+    if recipe.expert_scaling != "rowwise":
+        raise ValueError(f"grouped_reference covers the 'rowwise' expert tiling, not {recipe.name!r}'s "
+                         f"{recipe.expert_scaling!r}")
+    r, E, P = recipe, w_ENK.shape[0], x_PK.shape[0]
+    group_P = group_index(offs_E, P)
+    xv = fake_quantise(x_PK, r.expert_row_tile, r.fmt)
+    dyv = fake_quantise(dy_PN, r.expert_row_tile, r.fmt)
+    w_f, w_d = fake_quantise(w_ENK, r.expert_row_tile, r.fmt), fake_quantise(w_ENK, r.expert_col_tile, r.fmt)
+    xg = fake_quantise_groups(x_PK, group_P, E, r.fmt)
+    dyg = fake_quantise_groups(dy_PN, group_P, E, r.fmt)
+    y = x_PK.new_zeros(P, w_ENK.shape[1], dtype=torch.float32)
+    dx = x_PK.new_zeros(P, w_ENK.shape[2], dtype=torch.float32)
+    dw = torch.zeros(w_ENK.shape, dtype=torch.float32, device=w_ENK.device)
+    ends = offs_E.tolist()
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for e, (a, b) in enumerate(zip([0] + ends[:-1], ends)):
+            y[a:b] = xv[a:b] @ w_f[e].t()
+            dx[a:b] = dyv[a:b] @ w_d[e]
+            dw[e] = dyg[a:b].t() @ xg[a:b]
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return y, dx, dw
 
 
 @runs_no_bf16_gemm

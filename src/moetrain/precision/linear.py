@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
+from moetrain.precision.fused import requantise_t
 from moetrain.precision.gemm import operand, operand_mm, operand_t, uses_fp8_kernel
 from moetrain.precision.quant import Quantized, ScaleFormat
 from moetrain.precision.recipe import Fp8Recipe
@@ -35,7 +36,10 @@ class Fp8LinearFunction(torch.autograd.Function):
     dW in W's dtype (the fp32 master weight's gradient). For square-block recipes the quantised x and W are
     saved, as DeepSeek-V3 caches them: as FP8 data and scales where a hardware GEMM runs
     (``gemm.uses_fp8_kernel``), as their dequantised fp32 values on the reference path, which multiplies those
-    values (the same numbers; 4 bytes an element instead of 1).
+    values (the same numbers; 4 bytes an element instead of 1). Each GEMM writes its result in the dtype it
+    returns (a kernel rounds its fp32 accumulator once). The wgrad's operands, (128x1) / (32x1) tiles of dy and x
+    (recipe table), are quantised for a kernel as the (1x128) / (1x32) tiles of dy^T and x^T: the same tiles, with
+    the data laid out row-major along the tokens, as the kernel reads it.
     """
 
     @staticmethod
@@ -46,14 +50,14 @@ class Fp8LinearFunction(torch.autograd.Function):
         xq = operand(x_MK, recipe.row_tile, recipe.fmt, kernel)
         wq = operand(w_NK, recipe.weight_fprop_tile, recipe.fmt, kernel)
         with torch.autocast(x_MK.device.type, enabled=False):
-            y = operand_mm(xq, wq)
+            y = operand_mm(xq, wq, out_dtype)
         ctx.recipe, ctx.kernel = recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x_MK.dtype, w_NK.dtype
         if recipe.requantise_saved_input:
             ctx.save_for_backward(*_unpack(xq), *_unpack(wq))
         else:
             ctx.save_for_backward(x_MK, w_NK)
-        return y.to(out_dtype)
+        return y
 
     @staticmethod
     @runs_no_bf16_gemm
@@ -64,10 +68,9 @@ class Fp8LinearFunction(torch.autograd.Function):
             saved = ctx.saved_tensors
             half = len(saved) // 2
             xq = _pack(saved[:half], r.row_tile, r.fmt)
-            x_src = xq.dequantise() if isinstance(xq, Quantized) else xq
             wq_dgrad = _pack(saved[half:], r.weight_fprop_tile, r.fmt)
         else:
-            x_src, w_NK = ctx.saved_tensors
+            x_MK, w_NK = ctx.saved_tensors
             wq_dgrad = None
         dx = dw = None
         with torch.autocast(dy_MN.device.type, enabled=False):
@@ -76,11 +79,17 @@ class Fp8LinearFunction(torch.autograd.Function):
                 if wq_dgrad is None:
                     wq_dgrad = operand(w_NK, r.weight_dgrad_tile, r.fmt, kernel)
                 # dx = dy W: W^T (K, N) is the "(N', K')" operand of the GEMM with contraction over N.
-                dx = operand_mm(dyq, operand_t(wq_dgrad)).to(ctx.x_dtype)
+                dx = operand_mm(dyq, operand_t(wq_dgrad), ctx.x_dtype)
             if ctx.needs_input_grad[1]:
-                dyq_t = operand(dy_MN, r.col_tile, r.fmt, kernel)
-                xq_t = operand(x_src, r.col_tile, r.fmt, kernel)
-                dw = operand_mm(operand_t(dyq_t), operand_t(xq_t)).to(ctx.w_dtype)
+                x_src = xq if r.requantise_saved_input else x_MK
+                if kernel:  # the transposes quantised in row tiles: row-major along the tokens, as the kernel reads
+                    dyq_t = operand(dy_MN.t(), r.row_tile, r.fmt, kernel)
+                    xq_t = (requantise_t(x_src, r.row_tile) if isinstance(x_src, Quantized)
+                            else operand(x_src.t(), r.row_tile, r.fmt, kernel))
+                else:  # the same values from column tiles of the contiguous tensors (no transposing copies)
+                    dyq_t = operand_t(operand(dy_MN, r.col_tile, r.fmt, kernel))
+                    xq_t = operand_t(operand(x_src, r.col_tile, r.fmt, kernel))
+                dw = operand_mm(dyq_t, xq_t, ctx.w_dtype)
         return dx, dw, None
 
 

@@ -18,7 +18,13 @@ Two scale formats:
 
 A tile whose elements are all zero gets scale 1 (``"fp32"``) or 2**-127 (``"e8m0"``, the smallest E8M0 value) and
 zero data, never 0/0. A tile holding NaN or inf dequantises to NaN. Tile shapes used by the recipes: (1, 128) activations and gradients,
-(128, 128) weights, (128, 1) token-dim tiles for the weight-gradient GEMM, (1, 32) / (32, 1) MXFP8 blocks.
+(128, 128) weights, (128, 1) token-dim tiles for the weight-gradient GEMM, (1, 32) / (32, 1) MXFP8 blocks, and
+(1, WHOLE) / (WHOLE, 1) -- one scale per row / column -- for the routed experts of the blockwise recipe
+(``recipe.py``). A tile dim of :data:`WHOLE` is one tile of the whole dim, by the edge-tile rule above.
+
+Per-group scales (:func:`quantise_groups`): one scale per (group of rows, column), the groups given by a group index
+per row. The routed experts' weight gradient contracts over each expert's own tokens, and the tokens of all experts
+sit in one tensor; its tiles are "column c of expert e's rows", which no fixed tile shape describes.
 
 Shape legend: M rows, N columns of the last two dims; Mt = ceil(M / tile_rows), Nt = ceil(N / tile_cols).
 """
@@ -31,6 +37,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from moetrain.devices import contiguous
+
 #: The FP8 element format of every GEMM operand (OCP FP8 E4M3, "fn": no infinities, one NaN pattern).
 FP8_DTYPE = torch.float8_e4m3fn
 #: Largest finite E4M3 value (1.75 * 2**8).
@@ -41,6 +49,10 @@ E4M3_EMAX = 8
 E8M0_MIN_EXP, E8M0_MAX_EXP, E8M0_BIAS = -127, 127, 127
 
 ScaleFormat = Literal["fp32", "e8m0"]
+
+#: A tile length that spans the whole dim, whatever its size: (1, WHOLE) is one scale per row, (WHOLE, 1) one per
+#: column (a tile no shorter than its dim is one tile of the dim).
+WHOLE = 1 << 62
 
 
 @dataclass
@@ -85,9 +97,10 @@ def e4m3_to_float(data: torch.Tensor) -> torch.Tensor:
     On CPU by a gather from the 256-entry table of E4M3 values: torch's CPU fp8-to-fp32 conversion is an
     element-by-element loop about 5x slower than ``index_select`` (BENCHMARKS.md, "FP8"), and it was a quarter of
     an emulated FP8 training step. Every E4M3 value is exact in fp32, so both give the same bits. Other devices,
-    and layouts that are not a permutation of a contiguous tensor, use ``data.float()``.
+    layouts that are not a permutation of a contiguous tensor, and code being compiled (``precision.fused``), use
+    ``data.float()``.
     """
-    if data.device.type != "cpu" or data.dtype != FP8_DTYPE:
+    if data.device.type != "cpu" or data.dtype != FP8_DTYPE or torch.compiler.is_compiling():
         return data.float()
     # the dims ordered by stride: a permutation of a contiguous tensor (e.g. a transposed operand) keeps its layout
     order = sorted(range(data.dim()), key=lambda d: -data.stride(d))
@@ -127,7 +140,7 @@ def _untiled(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     *lead, Mt, tr, Nt, tc = t.shape
     out = t.reshape(*lead, Mt * tr, Nt * tc)
     M, N = shape[-2:]
-    return out if (Mt * tr, Nt * tc) == (M, N) else out[..., :M, :N]
+    return out if (Mt * tr, Nt * tc) == (M, N) else out.narrow(-2, 0, M).narrow(-1, 0, N)
 
 
 def _tiled_amax(xt: torch.Tensor) -> torch.Tensor:
@@ -165,30 +178,43 @@ def scales_from_amax(amax: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
 def expand_tiles(scale: torch.Tensor, tile: tuple[int, int], shape: torch.Size | tuple[int, int]) -> torch.Tensor:
     """Broadcast per-tile values (..., Mt, Nt) to the elements (..., M, N) of the last two dims ``shape``."""
     M, N = shape
-    s = scale.repeat_interleave(tile[0], dim=-2) if tile[0] > 1 else scale
-    s = s.repeat_interleave(tile[1], dim=-1) if tile[1] > 1 else s
+    tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
+    s = scale.repeat_interleave(tr, dim=-2) if tr > 1 else scale
+    s = s.repeat_interleave(tc, dim=-1) if tc > 1 else s
     return s[..., :M, :N]
 
 
 def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> Quantized:
     """Quantise ``x`` (..., M, N), any float dtype, to E4M3 with one scale per ``tile`` of its last two dims.
 
-    Returns a :class:`Quantized` with data ``cast_e4m3(x / s)`` and scales ``s`` from :func:`scales_from_amax`.
-    Raises ValueError for a tensor of fewer than 2 dims or a tile dim < 1.
+    Returns a :class:`Quantized` with data ``cast_e4m3(x / s)`` (row-major, x's shape) and scales ``s`` from
+    :func:`scales_from_amax`. Raises ValueError for a tensor of fewer than 2 dims or a tile dim < 1.
     """
-    xt, scale = _tiled_with_scales(x, tile, fmt, "quantise")
-    data = _untiled(cast_e4m3(xt / scale), x.shape).contiguous()
-    return Quantized(data, scale[..., 0, :, 0], tuple(tile), fmt)
+    check_tile(x, tile, "quantise")
+    data, scale = quantise_tiles(x, tile, fmt)
+    return Quantized(data, scale, tuple(tile), fmt)
 
 
-def _tiled_with_scales(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat, caller: str
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as fp32 tiles (:func:`_tiled`) and each tile's scale, (..., Mt, 1, Nt, 1): the one definition that
-    :func:`quantise` and :func:`fake_quantise` share. Raises ValueError for fewer than 2 dims or a tile dim < 1."""
+def check_tile(x: torch.Tensor, tile: tuple[int, int], caller: str) -> None:
+    """Raise ValueError unless ``x`` has >= 2 dims and both tile dims are >= 1."""
     if x.dim() < 2:
         raise ValueError(f"{caller} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
     if min(tile) < 1:
         raise ValueError(f"tile {tile} must have positive dims")
+
+
+def quantise_tiles(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors of :func:`quantise`: E4M3 data (..., M, N), row-major, and fp32 scales (..., Mt, Nt). Tensor
+    ops only (no checks), so that ``precision.fused`` can compile exactly this function for CUDA."""
+    xt, scale = _tiled_with_scales(x, tile, fmt)
+    data = contiguous(_untiled(cast_e4m3(xt / scale), x.shape))
+    return data, scale.squeeze(-1).squeeze(-2)
+
+
+def _tiled_with_scales(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as fp32 tiles (:func:`_tiled`) and each tile's scale, (..., Mt, 1, Nt, 1): the one definition that
+    :func:`quantise` and :func:`fake_quantise` share."""
     xt, _ = _tiled(x.float(), tile)
     return xt, scales_from_amax(_tiled_amax(xt), fmt)
 
@@ -223,8 +249,69 @@ def _round_to_e4m3_(v: torch.Tensor) -> torch.Tensor:
 def fake_quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> torch.Tensor:
     """The fp32 values an FP8 GEMM multiplies, (..., M, N): bit for bit ``quantise(x, tile, fmt).dequantise()``,
     computed without the fp8 tensor (:func:`round_to_e4m3`). Raises ValueError as :func:`quantise` does."""
-    xt, scale = _tiled_with_scales(x, tile, fmt, "fake_quantise")
+    check_tile(x, tile, "fake_quantise")
+    xt, scale = _tiled_with_scales(x, tile, fmt)
     # the clamp matters for fp32 scales too: an amax below ~1e-41 gives a subnormal amax / 448, coarse enough
     # that x / s exceeds 448 by more than half a step
     v = (xt / scale).clamp_(-E4M3_MAX, E4M3_MAX)
     return _untiled(_round_to_e4m3_(v).mul_(scale), x.shape)
+
+
+def group_amax(x_PK: torch.Tensor, group_P: torch.Tensor, n_groups: int, rows_per_chunk: int = 1) -> torch.Tensor:
+    """Largest magnitude of each column over each group's rows: (P, K), int (P,) -> fp32 (G, K).
+
+    ``amax[g, k] = max |x[p, k]|`` over the rows p with ``group_P[p] == g``; 0 for a group without rows. Rows whose
+    group index is outside [0, G) (e.g. G for rows past the last group) belong to no group. A NaN or inf among a
+    group's column gives +inf, whose scale is NaN (:func:`scales_from_amax`): such a column dequantises to NaN, as
+    a tile does. ``rows_per_chunk``: every run of that many rows from row 0 lies in one group (the groups start at
+    multiples of it, and P is one); the maxima are taken per chunk first (a dense reduction), then per group (a
+    scatter over P / rows_per_chunk rows instead of P). Nothing leaves the device.
+    """
+    P, K = x_PK.shape
+    c = rows_per_chunk
+    xc = x_PK.view(P // c, c, K)
+    # max is exact in any dtype: reduce in x's own dtype, convert the (P / c, K) maxima
+    a = torch.maximum(xc.amax(dim=1), xc.amin(dim=1).neg()).float()
+    # NaN as +inf: a scatter-max need not propagate NaN on every device (atomic max), +inf it keeps
+    a = a.masked_fill(a.isnan(), float("inf"))
+    g = _group_index(group_P.view(P // c, c).select(1, 0), n_groups)
+    out = a.new_zeros(n_groups + 1, K).scatter_reduce_(0, g.unsqueeze(-1).expand(-1, K), a, "amax")
+    return out.narrow(0, 0, n_groups)
+
+
+def _group_index(group_P: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``group_P`` as int64 with every index outside [0, G) replaced by G (the "no group" row)."""
+    g = group_P.long()
+    return torch.where((g >= 0) & (g < n_groups), g, n_groups)
+
+
+def _row_scales(scale_GK: torch.Tensor, group_P: torch.Tensor) -> torch.Tensor:
+    """The scale of each element's (group, column): (G, K), (P,) -> (P, K); rows in no group get scale 1."""
+    G, K = scale_GK.shape
+    with_none = torch.cat([scale_GK, scale_GK.new_ones(1, K)])
+    return with_none.index_select(0, _group_index(group_P, G))
+
+
+def quantise_groups(x_PK: torch.Tensor, group_P: torch.Tensor, n_groups: int, fmt: ScaleFormat = "fp32",
+                    rows_per_chunk: int = 1, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x_PK`` with one scale per (group, column): returns E4M3 data (P, K) and fp32 scales (G, K).
+
+    ``scale[g, k]`` is :func:`scales_from_amax` of :func:`group_amax`; ``data[p, k] = cast_e4m3(x[p, k] /
+    scale[group_P[p], k])``, so the values of column k of group g are exactly a tile's. Rows in no group are cast
+    with scale 1 (the experts' layout makes them zero). ``column_major``: the data is laid out (K, P) row-major (the
+    returned (P, K) tensor is its transpose), the layout the grouped GEMM of the weight gradient reads.
+    ``rows_per_chunk`` as for :func:`group_amax`.
+    """
+    scale = scales_from_amax(group_amax(x_PK, group_P, n_groups, rows_per_chunk), fmt)
+    data = cast_e4m3(x_PK.float() / _row_scales(scale, group_P))
+    return (contiguous(data.t()).t() if column_major else data), scale
+
+
+def fake_quantise_groups(x_PK: torch.Tensor, group_P: torch.Tensor, n_groups: int, fmt: ScaleFormat = "fp32",
+                         rows_per_chunk: int = 1) -> torch.Tensor:
+    """The fp32 values (P, K) of :func:`quantise_groups`, dequantised (bit for bit ``data * scale[group]``),
+    without the fp8 tensor (:func:`round_to_e4m3`), as :func:`fake_quantise` for tiles."""
+    scale = scales_from_amax(group_amax(x_PK, group_P, n_groups, rows_per_chunk), fmt)
+    s = _row_scales(scale, group_P)
+    v = (x_PK.float() / s).clamp_(-E4M3_MAX, E4M3_MAX)
+    return _round_to_e4m3_(v).mul_(s)

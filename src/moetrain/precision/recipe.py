@@ -19,6 +19,30 @@ quantised W serves fprop and dgrad. MXFP8: OCP MX v1.0 (32-element blocks, E8M0 
 every operand is scaled along its GEMM's contraction dim, so W (and x, dy) is quantised once per direction from its
 high-precision value (docs/reference.md section 13).
 
+Routed experts (``expert_scaling``): E grouped GEMMs over rows grouped by expert, y_e = x_e W_e^T, W (E, N, K).
+
+==========  ===========================================  ============================  ===========================
+GEMM        "rowwise" (blockwise recipe)                 torch kernel (CUDA)           "tiles" (mxfp8 recipe)
+==========  ===========================================  ============================  ===========================
+fprop       x 1xWHOLE (per token), W 1xWHOLE (per out    ``_scaled_grouped_mm`` 2d-3d  the linear's tiles above
+            row, per expert)
+dgrad       dy 1xWHOLE (per token), W WHOLEx1 (per in    ``_scaled_grouped_mm`` 2d-3d  the linear's tiles above
+            column over N, per expert)
+wgrad       dy, x: one scale per (expert, column) over   ``_scaled_grouped_mm`` 2d-2d  the linear's tiles above
+            that expert's tokens (``quant.quantise_groups``)
+==========  ===========================================  ============================  ===========================
+
+Why the blockwise recipe's experts are row-wise: torch 2.11 has no blockwise grouped FP8 GEMM on Hopper
+(``F.scaled_grouped_mm`` with ``BlockWise1x128`` x ``BlockWise128x128`` raised "No gemm implementation was found" on
+an H200, 2026-12-04), while the row-wise ``torch._scaled_grouped_mm`` runs there at 1.48x the bf16 grouped GEMM
+(docs/fp8.md, "Routed experts"). The same tiles are used on every device, CPU included, so a CPU run computes what
+the GPU computes. The cost is coarser scales along the contraction: one outlier in a token row (or a weight row)
+sets the scale of the whole row, where 1x128 tiles confine it to 128 elements (DeepSeek-V3 sec. 3.3.2's reason for
+fine-grained tiles). The wgrad's x is quantised in the forward straight from x, per (expert, column), and kept as
+FP8 for the backward; W is the parameter itself, quantised again (per column) for the dgrad. The mxfp8 recipe's
+experts keep its 1x32 tiles and run the reference's GEMMs of dequantised values on every device (no MX grouped
+kernel whose operands torch's checks can vet without a GPU; see ``grouped.py``).
+
 Kept in high precision by both recipes (DeepSeek-V3 sec. 3.3.1): embedding, output head, MoE router, norms, the
 attention core (softmax(QK^T)V); master weights, gradients and optimizer state are the model's own dtypes.
 """
@@ -28,9 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.precision.quant import ScaleFormat
+from moetrain.precision.quant import WHOLE, ScaleFormat
 
 RecipeName = Literal["none", "blockwise", "mxfp8"]
+ExpertScaling = Literal["rowwise", "tiles"]
 RECIPE_NAMES: tuple[str, ...] = ("none", "blockwise", "mxfp8")
 
 
@@ -47,8 +72,11 @@ class Fp8Recipe:
         requantise_saved_input: the wgrad GEMM's x is the fprop's FP8 copy, dequantised and re-quantised in
             token-dim tiles (DeepSeek-V3 caches the Linear input in FP8); False: quantised from the saved input.
         group_align: rows of each expert group are padded to a multiple of this for the routed-expert grouped
-            GEMM, so the token-dim tiles of its wgrad never straddle two experts (a multiple of ``block``, and of
-            the 16 / 32 rows grouped FP8 kernels need).
+            GEMM. "rowwise" experts: 16, so each group starts 16 bytes into the FP8 rows of the wgrad's operands
+            (which contract over tokens; torch's grouped kernels need 16-byte aligned strides and group starts).
+            "tiles": a multiple of ``block``, so the wgrad's token-dim tiles never straddle two experts.
+        expert_scaling: tiling of the routed experts' grouped GEMMs (module docstring): "rowwise" (one scale per
+            row / column / expert-column, the tiling of torch's FP8 grouped GEMM) or "tiles" (the linear's tiles).
     """
 
     name: str
@@ -57,6 +85,7 @@ class Fp8Recipe:
     weight_block: bool
     requantise_saved_input: bool
     group_align: int
+    expert_scaling: ExpertScaling = "tiles"
 
     @property
     def row_tile(self) -> tuple[int, int]:
@@ -78,9 +107,21 @@ class Fp8Recipe:
         """Tile of W (N, K) in dgrad (contraction over N)."""
         return (self.block, self.block) if self.weight_block else (self.block, 1)
 
+    @property
+    def expert_row_tile(self) -> tuple[int, int]:
+        """"rowwise" experts: one scale per row over the contraction (x, dy; W in fprop)."""
+        return (1, WHOLE)
 
-BLOCKWISE = Fp8Recipe("blockwise", "fp32", 128, weight_block=True, requantise_saved_input=True, group_align=128)
-MXFP8 = Fp8Recipe("mxfp8", "e8m0", 32, weight_block=False, requantise_saved_input=False, group_align=32)
+    @property
+    def expert_col_tile(self) -> tuple[int, int]:
+        """"rowwise" experts: one scale per column over the contraction (W in dgrad, which contracts over N)."""
+        return (WHOLE, 1)
+
+
+BLOCKWISE = Fp8Recipe("blockwise", "fp32", 128, weight_block=True, requantise_saved_input=True, group_align=16,
+                      expert_scaling="rowwise")
+MXFP8 = Fp8Recipe("mxfp8", "e8m0", 32, weight_block=False, requantise_saved_input=False, group_align=32,
+                  expert_scaling="tiles")
 RECIPES: dict[str, Fp8Recipe] = {"blockwise": BLOCKWISE, "mxfp8": MXFP8}
 
 

@@ -1,0 +1,118 @@
+"""Quantisers for the FP8 kernels' operands: quant.py's definitions, compiled by ``torch.compile`` on CUDA.
+
+Eager, one quantisation is about ten full passes over its operand (float copy, tile maxima, scale, divide, clamp,
+cast, copy out); on a GPU that costs more than the FP8 GEMM saves. Compiled, inductor fuses it into a reduction
+and one pointwise pass (a 1x128 quantise of a (16384, 7168) bf16 tensor ran at ~3 TB/s on an H200). The compiled
+functions are quant.py's own (:func:`~moetrain.precision.quant.quantise_tiles`,
+:func:`~moetrain.precision.quant.quantise_groups`), so a CPU run, which stays eager, computes the same values; the
+only difference is the GPU's fp32 division, which may round x / s one fp32 ulp differently and so, rarely, move an
+element to the neighbouring E4M3 value (well inside every tolerance here).
+
+Recompilation: each (role, rank, dtype) gets its own compiled copy of the function (its own code object, so its own
+dynamo cache and recompile limit), compiled with dynamic shapes; the tiled one is fed operands padded to whole
+tiles, so the only guards left are layouts. Where compiling is off (CPU, fake tensors on a CPU-only build,
+``MOETRAIN_FP8_COMPILE=0``) or fails (warned once), the eager functions run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from moetrain.precision import quant
+from moetrain.precision.quant import Quantized, ScaleFormat, check_tile, quantise_groups, quantise_tiles
+
+#: Compile the quantisers on CUDA (set MOETRAIN_FP8_COMPILE=0 to run them eagerly, e.g. to compare).
+_COMPILE = os.environ.get("MOETRAIN_FP8_COMPILE", "1") != "0"
+#: torch.compile backend (tests/precision/test_fused.py uses "eager" to check tracing and recompiles on a CPU).
+BACKEND = "inductor"
+_failed: list[str] = []
+
+
+def compiles(device: torch.device) -> bool:
+    """Whether the quantisers of tensors on ``device`` run compiled: a CUDA device that exists (not a fake one on a
+    CPU-only build), compiling not switched off and not failed before."""
+    return device.type == "cuda" and _COMPILE and not _failed and torch.cuda.is_available()
+
+
+def _tiles(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantise_tiles(x, tile, fmt)
+
+
+def _groups(x: torch.Tensor, group: torch.Tensor, n: int, fmt: ScaleFormat, chunk: int, col: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantise_groups(x, group, n, fmt, chunk, col)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any], key: tuple, backend: str) -> Callable[..., Any]:
+    """``torch.compile`` of a fresh copy of ``fn`` (a new code object: dynamo keeps its compiled graphs and its
+    recompile limit per code object) for one ``key`` (role, rank, dtype)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(copy, dynamic=True, backend=backend)
+
+
+def _run(fn: Callable[..., Any], eager: Callable[..., Any], key: tuple, *args: Any) -> Any:
+    try:
+        return _compiled(fn, key, BACKEND)(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # a compiler or toolchain failure must not stop training: warn once, run eagerly
+        _failed.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"torch.compile of the FP8 quantisers failed ({_failed[0][:300]}); they run eagerly from "
+                      "now on (correct, slower)", RuntimeWarning, stacklevel=3)
+        return eager(*args)
+
+
+def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> Quantized:
+    """:func:`~moetrain.precision.quant.quantise` (same values, shapes and scales), compiled on CUDA.
+
+    x (..., M, N) -> :class:`Quantized` with data (..., M, N) and scales (..., Mt, Nt). On the compiled path an
+    operand whose dims are not multiples of the tile is zero-padded first (zeros are what the edge tile's
+    definition adds) and the data returned is the (..., M, N) view of the padded result. Raises ValueError as
+    :func:`~moetrain.precision.quant.quantise` does.
+    """
+    if not compiles(x.device):
+        return quant.quantise(x, tile, fmt)
+    check_tile(x, tile, "quantise")
+    M, N = x.shape[-2:]
+    tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
+    pr, pc = (-M) % tr, (-N) % tc
+    xp = F.pad(x, (0, pc, 0, pr)) if pr or pc else x
+    data, scale = _run(_tiles, quantise_tiles, ("tiles", x.dim(), x.dtype), xp, (tr, tc), fmt)
+    if pr or pc:
+        data = data.narrow(-2, 0, M).narrow(-1, 0, N)
+    return Quantized(data, scale, tuple(tile), fmt)
+
+
+def quantise_by_group(x_PK: torch.Tensor, group_P: torch.Tensor, n_groups: int, fmt: ScaleFormat = "fp32",
+                      rows_per_chunk: int = 1, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~moetrain.precision.quant.quantise_groups` (same arguments and results), compiled on CUDA."""
+    args = (x_PK, group_P, n_groups, fmt, rows_per_chunk, column_major)
+    if not compiles(x_PK.device):
+        return quantise_groups(*args)
+    return _run(_groups, quantise_groups, ("groups", x_PK.dtype, column_major), *args)
+
+
+def _requant_t(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat,
+               new_tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantise_tiles(Quantized(data, scale, tile, fmt).dequantise().transpose(-2, -1), new_tile, fmt)
+
+
+def requantise_t(q: Quantized, tile: tuple[int, int]) -> Quantized:
+    """The values of ``q`` (..., M, N) transposed and quantised again in ``tile``: ``quantise(q.dequantise()^T,
+    tile)``, (..., N, M) row-major data. DeepSeek-V3's wgrad operand from the fprop's cached FP8 input (sec. 3.5.2:
+    dequantise, transpose, re-quantise), in one compiled function on CUDA where the operand is whole tiles."""
+    M, N = q.data.shape[-2:]
+    whole = not (N % min(tile[0], max(N, 1)) or M % min(tile[1], max(M, 1)))  # the tiles cover (N, M)
+    if not compiles(q.data.device) or not whole:
+        return quantise(q.dequantise().transpose(-2, -1), tile, q.fmt)
+    data, scale = _run(_requant_t, _requant_t, ("requant_t", q.data.dim(), q.tile, tile), q.data, q.scale, q.tile,
+                       q.fmt, tile)
+    return Quantized(data, scale, tuple(tile), q.fmt)
