@@ -158,6 +158,36 @@ def expert_check(preset: str) -> None:
     check(f"experts {preset} fwd+bwd (E,D,2F)=({E},{D},{2 * F})", run)
 
 
+def quantiser_agreement() -> tuple[bool, str]:
+    """The compiled quantisers (``precision.fused``) against quant.py's eager definitions on this GPU, element for
+    element, for every operand role of the linear and the experts: how many E4M3 codes and scales differ. The
+    module allows a rare one-step difference where the GPU's fp32 division rounds differently; more than that
+    means the compiled code computes something else."""
+    from moetrain.precision.quant import WHOLE, quantise_groups
+    torch.manual_seed(0)
+    M, K, N, E = 1000, 384, 48, 4
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=DEV)
+    w3 = torch.randn(E, N, K, device=DEV)
+    roles = {"x 1x128": (x, (1, 128)), "dy^T 1x128": (dy.t(), (1, 128)), "W 128x128": (w, (128, 128)),
+             "expert rows": (x, (1, WHOLE)), "expert W rows": (w3, (1, WHOLE)),
+             "expert W^T rows": (w3.transpose(-2, -1), (1, WHOLE))}
+    worst, parts = 0.0, []
+    for name, (t, tile) in roles.items():
+        got, want = fused.quantise(t, tile), quantise(t, tile)
+        codes = (got.data.view(torch.uint8) != want.data.view(torch.uint8)).float().mean().item()
+        scales = (got.scale != want.scale).float().mean().item()
+        worst = max(worst, codes, scales)
+        parts.append(f"{name} {codes:.1e}/{scales:.1e}")
+    group = torch.arange(M, device=DEV) * E // M
+    (d1, s1), (d0, s0) = fused.quantise_by_group(x, group, E, "fp32", 1, True), quantise_groups(x, group, E)
+    codes = (d1.contiguous().view(torch.uint8) != d0.view(torch.uint8)).float().mean().item()
+    worst = max(worst, codes, (s1 != s0).float().mean().item())
+    parts.append(f"per-group columns {codes:.1e}")
+    return worst <= 1e-4, "share of differing codes/scales: " + ", ".join(parts) + " (allowed 1e-4)"
+
+
 def raw_empty_group() -> tuple[bool, str]:
     a = torch.randn(64, 256, device=DEV).to(torch.float8_e4m3fn)      # (N, T)
     b = torch.randn(128, 256, device=DEV).to(torch.float8_e4m3fn)     # (K, T)
@@ -239,6 +269,7 @@ def main() -> int:
         gemm_checks(preset)
         linear_check(preset)
         expert_check(preset)
+    check("compiled quantisers equal the definitions", quantiser_agreement)
     check("raw 2d-2d empty group", raw_empty_group)
     check("time linear", time_linear)
     check("time experts", time_experts)

@@ -33,28 +33,6 @@ def report(name: str, ok: bool, detail: str) -> None:
         FAILED.append(name)
 
 
-def tomli_w_shim(tmp: Path) -> str | None:
-    """A stand-in ``tomli_w`` (config.toml writer) where the image lacks it; the directory to put on PYTHONPATH."""
-    try:
-        import tomli_w  # noqa: F401
-        return None
-    except ImportError:
-        pass
-    d = tmp / "shim"
-    d.mkdir()
-    (d / "tomli_w.py").write_text(
-        "import json\n"
-        "def dumps(d, _p=()):\n"
-        "    out = [f'{k} = {json.dumps(v)}' for k, v in d.items() if not isinstance(v, dict)]\n"
-        "    s = '\\n'.join(out) + ('\\n' if out else '')\n"
-        "    for k, v in d.items():\n"
-        "        if isinstance(v, dict):\n"
-        "            s += '\\n[' + '.'.join(_p + (k,)) + ']\\n' + dumps(v, _p + (k,))\n"
-        "    return s\n")
-    sys.path.insert(0, str(d))
-    return str(d)
-
-
 def check_event_timer(dev: torch.device) -> None:
     """World-1 all-to-all through moetrain's issue/Pending: device time > 0 and read only at settle(); exposed is
     nearly all of it when waited at once, little of it behind ~30 ms of matmuls. A ~5 ms GPU sleep is queued first,
@@ -222,10 +200,7 @@ def main() -> int:
           f"{'.'.join(map(str, nccl.version())) if device == 'cuda' else '-'}, "
           f"{torch.cuda.get_device_name(0) if device == 'cuda' else 'cpu'}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="verify-metrics-"))
-    shim = tomli_w_shim(tmp)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (shim, "src", os.environ.get("PYTHONPATH")) if p))
-    if shim:
-        print(f"note: no tomli_w here; a stand-in config.toml writer from {shim} is used", flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in ("src", os.environ.get("PYTHONPATH")) if p))
     # Part A: in this process, a world-1 process group on NCCL (gloo with --cpu), as moetrain train builds it.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(29400 + os.getpid() % 1000))

@@ -57,3 +57,29 @@ def test_compiled_quantisers_equal_the_definitions_without_recompiling(monkeypat
     assert not fused._failed and not torch._dynamo.utils.counters["graph_break"]
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 0 < graphs <= 40, graphs
+
+
+def test_tiles_and_formats_are_constants_of_the_traced_code_and_only_rows_vary(monkeypatch):
+    """The tile sizes must be constants in the graph inductor compiles (a symbolic tile size made its reduction
+    kernels 12-30x slower, BENCHMARKS.md "FP8 quantisers compiled"), and the token count the only symbolic size:
+    one graph serves every token count."""
+    torch._dynamo.reset()
+    fused._compiled.cache_clear()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(fused, "compiles", lambda device: True)
+    monkeypatch.setattr(fused, "BACKEND", record)
+    for tokens in (384, 640, 1024):
+        x = torch.randn(tokens, 256, dtype=torch.bfloat16)
+        got, want = fused.quantise(x, (1, 128)), quantise(x, (1, 128))
+        assert _same(got.data, want.data) and torch.equal(got.scale, want.scale)
+    assert len(graphs) <= 2, [g.code for g in graphs]  # static first, then one graph with the rows symbolic
+    last = graphs[-1]
+    symbolic = [n for n in last.graph.nodes if n.op == "placeholder" and not isinstance(n.meta.get("example_value"),
+                                                                                       torch.Tensor)]
+    assert len(symbolic) <= 1, [n.name for n in symbolic]  # the row count, nothing else
+    assert "128" in last.code and "256" in last.code  # the tile and the static width are literals

@@ -8,9 +8,13 @@ functions are quant.py's own (:func:`~moetrain.precision.quant.quantise_tiles`,
 only difference is the GPU's fp32 division, which may round x / s one fp32 ulp differently and so, rarely, move an
 element to the neighbouring E4M3 value (well inside every tolerance here).
 
-Recompilation: each (role, rank, dtype) gets its own compiled copy of the function (its own code object, so its own
-dynamo cache and recompile limit), compiled with dynamic shapes; the tiled one is fed operands padded to whole
-tiles, so the only guards left are layouts. Where compiling is off (CPU, fake tensors on a CPU-only build,
+What is compiled, and what stays a constant: each call site (role) and each value of its non-tensor arguments (tile,
+scale format, group count, chunk, layout) gets its own compiled function, with those values as constants of the
+traced code, and its own code object (so its own dynamo cache and recompile limit). Only the row count of an
+operand is a symbolic size (``torch._dynamo.maybe_mark_dynamic``: tokens per micro-batch and rows per expert vary);
+its other dims are static. Passing the tile as an argument of one dynamic-shape function made every tile size
+symbolic, and inductor's code for a reduction of symbolic size was 12x to 30x slower than with the tile a constant
+(BENCHMARKS.md, "FP8 quantisers compiled"). Where compiling is off (CPU, fake tensors on a CPU-only build,
 ``MOETRAIN_FP8_COMPILE=0``) or fails (warned once), the eager functions run.
 """
 
@@ -41,33 +45,36 @@ def compiles(device: torch.device) -> bool:
     return device.type == "cuda" and _COMPILE and not _failed and torch.cuda.is_available()
 
 
-def _tiles(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantise_tiles(x, tile, fmt)
-
-
-def _groups(x: torch.Tensor, group: torch.Tensor, n: int, fmt: ScaleFormat, chunk: int, col: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantise_groups(x, group, n, fmt, chunk, col)
-
-
 @functools.cache
-def _compiled(fn: Callable[..., Any], key: tuple, backend: str) -> Callable[..., Any]:
-    """``torch.compile`` of a fresh copy of ``fn`` (a new code object: dynamo keeps its compiled graphs and its
-    recompile limit per code object) for one ``key`` (role, rank, dtype)."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(copy, dynamic=True, backend=backend)
+def _compiled(fn: Callable[..., Any], consts: tuple, layout: tuple, backend: str) -> Callable[..., Any]:
+    """``torch.compile`` (static shapes but for the dims marked dynamic) of ``tensors -> fn(*tensors, *consts)``:
+    ``consts`` are constants of the traced code, and the function is a fresh code object (dynamo keeps its graphs
+    and its recompile limit per code object), one per (fn, consts, layout). ``layout`` (the tensors' dtypes, static
+    dims and strides' order) only keys the cache: each call site keeps one graph instead of recompiling, past
+    dynamo's limit, for every layer shape that shares its constants."""
+    def call(*tensors: torch.Tensor) -> Any:
+        return fn(*tensors, *consts)
+
+    own = types.FunctionType(call.__code__.replace(), call.__globals__, f"{fn.__name__}_fp8", None, call.__closure__)
+    return torch.compile(own, dynamic=False, backend=backend)
 
 
-def _run(fn: Callable[..., Any], eager: Callable[..., Any], key: tuple, *args: Any) -> Any:
+def _run(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], consts: tuple, rows_dynamic: bool) -> Any:
+    """``fn(*tensors, *consts)`` through its compiled copy; ``rows_dynamic`` marks dim 0 of every tensor (the rows
+    of a 2-D operand, and of its per-row companions) as a size that varies between calls."""
+    if rows_dynamic:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    layout = tuple((t.dtype, tuple(t.shape[1:]), t.dim(), t.is_contiguous()) for t in tensors)
     try:
-        return _compiled(fn, key, BACKEND)(*args)
+        return _compiled(fn, consts, layout, BACKEND)(*tensors)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # a compiler or toolchain failure must not stop training: warn once, run eagerly
         _failed.append(f"{type(e).__name__}: {e}")
         warnings.warn(f"torch.compile of the FP8 quantisers failed ({_failed[0][:300]}); they run eagerly from "
                       "now on (correct, slower)", RuntimeWarning, stacklevel=3)
-        return eager(*args)
+        return fn(*tensors, *consts)
 
 
 def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") -> Quantized:
@@ -85,7 +92,9 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
     tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
     pr, pc = (-M) % tr, (-N) % tc
     xp = F.pad(x, (0, pc, 0, pr)) if pr or pc else x
-    data, scale = _run(_tiles, quantise_tiles, ("tiles", x.dim(), x.dtype), xp, (tr, tc), fmt)
+    # 2-D operands are activations, gradients or a linear's weight: their row count varies between call sites and
+    # steps; a stacked expert weight (3-D) has one shape
+    data, scale = _run(quantise_tiles, (xp,), ((tr, tc), fmt), rows_dynamic=x.dim() == 2)
     if pr or pc:
         data = data.narrow(-2, 0, M).narrow(-1, 0, N)
     return Quantized(data, scale, tuple(tile), fmt)
@@ -94,10 +103,9 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
 def quantise_by_group(x_PK: torch.Tensor, group_P: torch.Tensor, n_groups: int, fmt: ScaleFormat = "fp32",
                       rows_per_chunk: int = 1, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~moetrain.precision.quant.quantise_groups` (same arguments and results), compiled on CUDA."""
-    args = (x_PK, group_P, n_groups, fmt, rows_per_chunk, column_major)
     if not compiles(x_PK.device):
-        return quantise_groups(*args)
-    return _run(_groups, quantise_groups, ("groups", x_PK.dtype, column_major), *args)
+        return quantise_groups(x_PK, group_P, n_groups, fmt, rows_per_chunk, column_major)
+    return _run(quantise_groups, (x_PK, group_P), (n_groups, fmt, rows_per_chunk, column_major), rows_dynamic=True)
 
 
 def _requant_t(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat,
@@ -113,6 +121,5 @@ def requantise_t(q: Quantized, tile: tuple[int, int]) -> Quantized:
     whole = not (N % min(tile[0], max(N, 1)) or M % min(tile[1], max(M, 1)))  # the tiles cover (N, M)
     if not compiles(q.data.device) or not whole:
         return quantise(q.dequantise().transpose(-2, -1), tile, q.fmt)
-    data, scale = _run(_requant_t, _requant_t, ("requant_t", q.data.dim(), q.tile, tile), q.data, q.scale, q.tile,
-                       q.fmt, tile)
+    data, scale = _run(_requant_t, (q.data, q.scale), (q.tile, q.fmt, tile), rows_dynamic=q.data.dim() == 2)
     return Quantized(data, scale, tuple(tile), q.fmt)
