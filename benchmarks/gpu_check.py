@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import statistics
@@ -58,14 +59,18 @@ Row = dict[str, Any]
 
 #: Seconds each check may take on a GPU: limits for a check that hangs, not what a healthy run takes (``--budget-s``
 #: bounds the whole run).
-GPU_LIMIT_S = {"env": 60, "trainer": 240, "mfu": 150, "grouped_gemm": 45, "fp8_gemm": 120, "fp8_experts": 120,
-               "layers": 90, "attention": 45, "metrics": 60, "loss_gap": 120}
+GPU_LIMIT_S = {"env": 60, "trainer": 240, "mfu": 240, "grouped_gemm": 45, "fp8_gemm": 120, "fp8_experts": 120,
+               "layers": 90, "attention": 45, "metrics": 60, "loss_gap": 180}
+#: Default ``--budget-s`` on a GPU: the run stops starting checks after this, to stay within 8 minutes.
+GPU_BUDGET_S = 470.0
 #: On CPU (the test suite, two shared cores).
 CPU_LIMIT_S = 240
 #: One ``moetrain train`` run of the trainer check (start-up, data preparation, steps, checkpoint).
 TRAIN_STAGE_LIMIT_S = 90
 #: The line prefix a check's process prints each row with (JSON after it), for the parent to collect.
 ROW_MARK = "@@gpu-check-row "
+#: The line prefix of a file a check's subprocess writes its output to (the parent quotes its end on a timeout).
+LOG_MARK = "@@gpu-check-log "
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,12 +161,24 @@ def _metrics(out: Path) -> list[dict]:
 
 def check_trainer(quick: bool, args: argparse.Namespace) -> Iterator[Row]:
     """``moetrain train`` as a user runs it, one process, NCCL on GPU: each stage a row; a failed stage ends the
-    chain (the later ones need its checkpoint) with its output's end in the row."""
+    chain (the later ones need its checkpoint) with its output's end in the row. The runs' folder is removed when
+    every stage passed, and kept (named in the rows) otherwise."""
+    work = Path(tempfile.mkdtemp(prefix="moetrain-gpu-check-"))
+    passed = True
+    for row in _trainer_stages(quick, work):
+        passed &= row["value"] == "ok"
+        if row["value"] != "ok":
+            row["detail"] += f" (runs kept in {work})"
+        yield row
+    if passed:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _trainer_stages(quick: bool, work: Path) -> Iterator[Row]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "PYTHONUNBUFFERED": "1"}
     steps = 6 if quick else 30
     more = 2 if quick else 10
-    work = Path(tempfile.mkdtemp(prefix="moetrain-gpu-check-"))
     backend = "NCCL" if _device().type == "cuda" else "gloo"
     stages = [
         (f"trainer: {steps} steps, EP 1, all-to-all dispatcher ({backend})", work / "a", steps, []),
@@ -172,31 +189,35 @@ def check_trainer(quick: bool, args: argparse.Namespace) -> Iterator[Row]:
     ]
     for name, out, n, extra in stages:
         t = time.perf_counter()
-        try:
-            proc = subprocess.run(_train_cmd(out, n, quick, extra), cwd=work, env=env, capture_output=True,
-                                  text=True, timeout=TRAIN_STAGE_LIMIT_S)
-        except subprocess.TimeoutExpired as e:
-            tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            yield {"check": name, "value": "TIMEOUT", "detail": f"over {TRAIN_STAGE_LIMIT_S} s: {tail[-1500:]}"}
+        log = work / f"{out.name}-{n}.log"
+        print(LOG_MARK + str(log), flush=True)  # the parent quotes its end if this check is killed
+        with open(log, "w") as f:
+            try:
+                proc = subprocess.run(_train_cmd(out, n, quick, extra), cwd=work, env=env, stdout=f,
+                                      stderr=subprocess.STDOUT, text=True, timeout=TRAIN_STAGE_LIMIT_S)
+            except subprocess.TimeoutExpired:
+                proc = None
+        output = log.read_text(errors="replace")
+        if proc is None:
+            yield {"check": name, "value": "TIMEOUT", "detail": f"over {TRAIN_STAGE_LIMIT_S} s: {output[-1500:]}"}
             break
         wall = time.perf_counter() - t
         if proc.returncode != 0:
-            tail = (proc.stdout + proc.stderr)[-1500:]
-            yield ({"check": name, "value": "ERROR", "detail": f"exit {proc.returncode} after {wall:.0f} s: "
-                                                                    f"{tail}"})
+            tail = output[-1500:]
+            yield {"check": name, "value": "ERROR", "detail": f"exit {proc.returncode} after {wall:.0f} s: {tail}"}
             break
         # a resumed run appends to the same metrics file: its own records are those past the resumed step
         ms = [m for m in _metrics(out) if m.get("kind") == "train" and ("--resume" not in extra or m["step"] > steps)]
         last = ms[-1] if ms else {}
         ckpts = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
-        resumed = f"resumed from step {steps}" in proc.stdout
+        resumed = f"resumed from step {steps}" in output
         detail = (f"loss {ms[0]['loss']:.3f} -> {last['loss']:.3f}, " if ms else "no train metrics, ") + (
             f"{last.get('tokens_per_s_per_gpu', 0):,.0f} tok/s, MFU {100 * last.get('mfu', 0):.2f}%, "
             f"a2a {1e3 * last.get('a2a_s_per_step', 0):.2f} ms/step ({100 * last.get('a2a_exposed_share', 0):.0f}% "
             f"exposed), checkpoints {ckpts}, {wall:.0f} s wall")
         ok = bool(ms) and ckpts and (resumed or "--resume" not in extra)
-        yield ({"check": name, "value": "ok" if ok else "FAIL", "detail": detail + ("" if ok else (
-            " -- expected train metrics, a checkpoint" + (" and a resume" if "--resume" in extra else "")))})
+        yield {"check": name, "value": "ok" if ok else "FAIL", "detail": detail + ("" if ok else (
+            " -- expected train metrics, a checkpoint" + (" and a resume" if "--resume" in extra else "")))}
     n_gpus = __import__("torch").cuda.device_count()
     if n_gpus >= 1:
         name = f"trainer: --nproc {n_gpus + 1} on {n_gpus} visible GPU(s) refused before launch"
@@ -595,6 +616,7 @@ def _run_child(name: str, args: argparse.Namespace, limit: float,
     threading.Thread(target=pump, daemon=True).start()
     rows: list[Row] = []
     other: list[str] = []
+    sub_log: Path | None = None  # where the check's own subprocess writes (the trainer's runs)
     deadline = t + limit
     timed_out = False
     while True:
@@ -610,13 +632,17 @@ def _run_child(name: str, args: argparse.Namespace, limit: float,
             row = json.loads(line[len(ROW_MARK):])
             rows.append(row)
             show(row)
+        elif line.startswith(LOG_MARK):
+            sub_log = Path(line[len(LOG_MARK):].strip())
         else:
             other.append(line)
     proc.wait()
     wall = time.perf_counter() - t
     tail = "".join(other)[-1500:]
+    if sub_log is not None and sub_log.is_file():
+        tail = (tail + f"\n[{sub_log}:]\n" + sub_log.read_text(errors="replace"))[-1500:]
     if timed_out:
-        rows.append({"check": name, "value": "TIMEOUT", "detail": f"over {limit:.0f} s; output: {tail[-600:]}"})
+        rows.append({"check": name, "value": "TIMEOUT", "detail": f"over {limit:.0f} s; output: {tail[-1000:]}"})
         show(rows[-1])
     elif proc.returncode != 0:
         rows.append({"check": name, "value": "ERROR", "detail": f"exit {proc.returncode}: {tail}"})
@@ -636,17 +662,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated checks to run (default: all; see --list)")
     ap.add_argument("--list", action="store_true", help="print the check names and exit")
     ap.add_argument("--budget-s", type=float, default=None,
-                    help="stop starting checks after this many seconds (each check's limit is cut to what is left)")
+                    help="stop starting checks after this many seconds, each check's limit cut to what is left "
+                         f"(default on a GPU {GPU_BUDGET_S:g}, so the run stays within 8 minutes; none on CPU)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mfu-case", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(CHECKS))
         return 0
-    import torch
+    try:
+        import torch
+    except ImportError:
+        print(f"{sys.executable} has no torch: run the check with the Python that holds the GPU's PyTorch",
+              file=sys.stderr)
+        return 2
 
     gpu = torch.cuda.is_available()
     args.quick = args.quick or not gpu
+    if args.budget_s is None and gpu and not args.child:
+        args.budget_s = GPU_BUDGET_S
     if args.child:
         if not gpu:
             torch.set_num_threads(1)  # small ops on a possibly shared CPU
@@ -658,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in CHECKS[args.child](args.quick, args):
             print(ROW_MARK + json.dumps(row), flush=True)
         return 0
-    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    only = list(dict.fromkeys(s.strip() for s in args.only.split(",") if s.strip()))
     unknown = [s for s in only if s not in CHECKS]
     if unknown:
         ap.error(f"unknown check(s) {unknown}; choose from {', '.join(CHECKS)}")
@@ -670,14 +704,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for name in names:
         limit = GPU_LIMIT_S[name] if gpu else float(os.environ.get("MOETRAIN_GPU_CHECK_CPU_LIMIT_S", CPU_LIMIT_S))
-        if args.budget_s is not None:
-            left = args.budget_s - (time.perf_counter() - t0)
-            if left < 15:
-                rows.append({"check": name, "value": "not run", "group": name,
-                             "detail": f"--budget-s {args.budget_s:g} spent"})
-                print(f"{name:<72}  {'not run':>18}  --budget-s {args.budget_s:g} spent", flush=True)
-                continue
-            limit = min(limit, left)
 
         def show(r: Row, group: str = name) -> None:
             r.setdefault("group", group)
@@ -685,6 +711,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['check']:<72}  {r['value']:>18}  {r['detail']}", flush=True)
             if args.json:
                 _write_json(args.json, device, args, rows)
+
+        if args.budget_s is not None:
+            left = args.budget_s - (time.perf_counter() - t0)
+            if left < 15:
+                show({"check": name, "value": "not run", "detail": f"--budget-s {args.budget_s:g} spent"})
+                continue
+            limit = min(limit, left)
 
         _, wall = _run_child(name, args, limit, show)
         print(f"  [{name}: {wall:.1f} s, {time.perf_counter() - t0:.0f} s so far]", flush=True)

@@ -20,7 +20,9 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 1024
 DATA = ["--set", "data.builtin_max_bytes=400000", "--set", f"data.vocab_size={VOCAB}", "--set", "data.seq_len=64",
-        "--set", "train.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "train.tensorboard=false"]
+        "--set", "train.micro_batch_size=4", "--set", "train.eval_every=0", "--set", "train.tensorboard=false",
+        # two local workers compared with one CPU process: on CPU even where a GPU is visible
+        "--set", 'train.device="cpu"']
 
 
 def _moetrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -118,3 +118,33 @@ def test_launcher_names_the_phase_of_a_worker_killed_by_the_watchdog(tmp_path):
     msg = _failure_message(e, job)
     assert msg.startswith("a training worker failed: rank 1 was killed by signal 6, after: rank 1 stuck in step end")
     assert "no checkpoint was written" in msg
+
+
+def test_a_stall_that_ended_or_belongs_to_an_earlier_run_is_not_quoted(tmp_path):
+    """A slow checkpoint save reported as stuck, then "progress again", did not kill the process; nor did a stall
+    of an earlier run appended to the same rank log (logs are kept over runs and resumes)."""
+    from moetrain.train.launch import _failure_message, _rank_log_sizes
+
+    now = [0.0]
+    log = tmp_path / "logs" / "rank-0.log"
+    m = _monitor(now, log_path=log)
+    with m:
+        with in_phase("checkpoint save"):
+            now[0] = 160.0
+            assert "stuck in checkpoint save" in m.check()
+        now[0] = 170.0
+        assert "progress again" in m.check()
+    assert last_stall(log) is None
+    job = SimpleNamespace(train=SimpleNamespace(out_dir=str(tmp_path)))
+    e = SimpleNamespace(failures={0: SimpleNamespace(message="", exitcode=-9, timestamp=1.0)})
+    assert _failure_message(e, job).startswith("a training worker failed: rank 0 was killed by signal 9; ")
+    # an earlier run's unresolved stall, then this run's start: not this run's cause
+    log.write_text("[moetrain] rank 0 stuck in step end (waits ...) for 150 s\n")
+    sizes = _rank_log_sizes(job, 1)
+    assert last_stall(log) is not None and last_stall(log, sizes[0]) is None
+    assert ", after:" not in _failure_message(e, job, sizes)
+    with open(log, "a") as f:  # this run's own stall is quoted
+        f.write("[moetrain] rank 0 stuck in dispatch (counts), MoE layer 2 for 150 s\n")
+    assert _failure_message(e, job, sizes).endswith(
+        "rank 0 was killed by signal 9, after: rank 0 stuck in dispatch (counts), MoE layer 2 for 150 s; "
+        "no checkpoint was written")

@@ -80,7 +80,7 @@ class KernelLog(TorchDispatchMode):
         if name:
             self.calls.append(name)
             if name == "mm":
-                self.mm_precisions.append(torch.get_float32_matmul_precision())
+                self.mm_precisions.append(torch.backends.cuda.matmul.fp32_precision)
         return func(*args, **(kwargs or {}))
 
     def count(self, name: str) -> int:
@@ -175,7 +175,7 @@ def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap):
     emulated = [w for w in caught if "emulated" in str(w.message)]
     assert len(emulated) == 1 and issubclass(emulated[0].category, RuntimeWarning)
     assert log.count("scaled_mm") == 0 and log.count("mm") == 6
-    assert set(log.mm_precisions) == {"high"} and torch.get_float32_matmul_precision() == "highest"
+    assert set(log.mm_precisions) == {"tf32"} and torch.backends.cuda.matmul.fp32_precision == "none"
 
 
 # ---- routed experts ----------------------------------------------------------------------------------------------
@@ -211,6 +211,27 @@ def test_fp8_experts_run_scaled_grouped_mm_and_save_fp8(gpu, preset, w_dtype):
             assert sxg.shape == (E, K) and w_saved is w
             assert all(t.dtype != torch.float32 or t.numel() <= E * max(N, K) for t in ctx.saved_tensors
                        if t is not w)
+
+
+def test_fp8_experts_with_dims_not_multiples_of_16_run_emulated_with_one_warning(gpu):
+    # torch's FP8 grouped GEMM reads FP8 rows of 16-byte multiples: a model dim of 100 made it raise ("Expected
+    # mat_a stride along 0 dim to be multiple of 16 bytes") on fake CUDA before this fell back; the fallback's bf16
+    # _grouped_mm needs 16-byte bf16 rows, so K and N reach it zero-padded to multiples of 8
+    gpu(HOPPER)
+    E, K, N = 4, 100, 200
+    with FakeTensorMode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lay = aligned_layout(_cuda(E, dtype=torch.int64), 256, BLOCKWISE.group_align)
+        for _ in range(2):
+            ctx = Ctx(5)
+            with KernelLog() as log:
+                y = RowwiseFp8GroupedMM.forward(ctx, _cuda(lay.n_rows, K, dtype=torch.bfloat16), _cuda(E, N, K),
+                                                lay.offs_E, BLOCKWISE, torch.bfloat16)
+                dx, dw, *_ = RowwiseFp8GroupedMM.backward(ctx, _cuda(lay.n_rows, N, dtype=torch.bfloat16))
+            assert log.calls == ["grouped_mm"] * 3, log.calls
+            assert (y.shape, dx.shape, dw.shape) == ((lay.n_rows, N), (lay.n_rows, K), (E, N, K))
+    warned = [w for w in caught if "emulated" in str(w.message)]
+    assert len(warned) == 1 and "multiples of 16" in str(warned[0].message)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -185,14 +185,23 @@ class HangMonitor:
         self.stop()
 
 
-def last_stall(log_path: str | Path) -> str | None:
-    """The last "stuck in" line of a rank's log (without the "[moetrain] " prefix), or None."""
+def last_stall(log_path: str | Path, since_bytes: int = 0) -> str | None:
+    """The last "stuck in" line a rank's log gained after its first ``since_bytes`` bytes (its size when this run
+    started: rank logs are appended over runs and resumes), without the "[moetrain] " prefix; None if there is
+    none, or if a "progress again" line of the same rank follows it (that stall ended: a slow checkpoint save,
+    say, not what killed the process)."""
     try:
-        lines = Path(log_path).read_text(errors="replace").splitlines()
+        with open(log_path, "rb") as f:
+            f.seek(since_bytes)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
     for line in reversed(lines):
-        if f" {STUCK} " in line and line.startswith("[moetrain] rank "):
+        if not line.startswith("[moetrain] rank "):
+            continue
+        if ": progress again after " in line:
+            return None
+        if f" {STUCK} " in line:
             return line.removeprefix("[moetrain] ")
     return None
 

@@ -2,7 +2,7 @@
 
 Eager, one quantisation is about ten full passes over its operand (float copy, tile maxima, scale, divide, clamp,
 cast, copy out); on a GPU that costs more than the FP8 GEMM saves. Compiled, inductor fuses it into a reduction
-and one pointwise pass (a 1x128 quantise of a (16384, 7168) bf16 tensor ran at ~3 TB/s on an H200). The compiled
+and one pointwise pass (BENCHMARKS.md, "GPU (NVIDIA H200)"). The compiled
 functions are quant.py's own (:func:`~moetrain.precision.quant.quantise_tiles`,
 :func:`~moetrain.precision.quant.quantise_groups`), so a CPU run, which stays eager, computes the same values; the
 only difference is the GPU's fp32 division, which may round x / s one fp32 ulp differently and so, rarely, move an
@@ -12,9 +12,9 @@ What is compiled, and what stays a constant: each call site (role) and each valu
 scale format, group count, chunk, layout) gets its own compiled function, with those values as constants of the
 traced code, and its own code object (so its own dynamo cache and recompile limit). Only the row count of an
 operand is a symbolic size (``torch._dynamo.maybe_mark_dynamic``: tokens per micro-batch and rows per expert vary);
-its other dims are static. Passing the tile as an argument of one dynamic-shape function made every tile size
-symbolic, and inductor's code for a reduction of symbolic size was 12x to 30x slower than with the tile a constant
-(BENCHMARKS.md, "FP8 quantisers compiled"). Where compiling is off (CPU, fake tensors on a CPU-only build,
+its other dims are static: with the tile an argument of one dynamic-shape function, every tile size would be
+symbolic, and inductor's reductions of a symbolic size are far slower than of a constant one (BENCHMARKS.md, "GPU
+(NVIDIA H200)"; ``benchmarks/fused_quantisers.py`` compares them). Where compiling is off (CPU, fake tensors on a CPU-only build,
 ``MOETRAIN_FP8_COMPILE=0``) or fails (warned once), the eager functions run.
 """
 

@@ -53,9 +53,8 @@ PROMOTION_INTERVAL = 128
 #: which also covers truncation). With products of variance v, E[s_j**2] = j v; independent errors uniform in
 #: +-u |s_j| give var(err) = u**2 v sum_j j / 3 = u**2 v N_C (N_C + 1) / 6 per chunk and u**2 v K (N_C + 1) / 6 over
 #: the K / N_C chunks; the fp32 additions of the promoted chunk sums add K / N_C * 2**-24 (negligible). var(y) = K v,
-#: so err / y ~ u sqrt((N_C + 1) / 6) = 5.7e-4, and the maxima over the same outputs keep the ratio. Measured on an
-#: H200 (torch 2.11, cuBLAS blockwise): 1.5e-4 and 2.0e-4 at DeepSeek-V3 shapes. A bf16 output adds its own rounding,
-#: see :func:`fast_path_rtol`.
+#: so err / y ~ u sqrt((N_C + 1) / 6) = 5.7e-4, and the maxima over the same outputs keep the ratio (the H200's
+#: measurements: BENCHMARKS.md, "GPU (NVIDIA H200)"). A bf16 output adds its own rounding, see :func:`fast_path_rtol`.
 FAST_PATH_RTOL = 2.0 ** -(HOPPER_ACCUMULATOR_BITS - 1) * math.sqrt((PROMOTION_INTERVAL + 1) / 6)
 
 
@@ -66,14 +65,15 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 def fast_path_rtol(out_dtype: torch.dtype = torch.float32) -> float:
     """Tolerance of an FP8 kernel writing ``out_dtype`` against the fp32 reference, relative to max |y|:
-    :data:`FAST_PATH_RTOL` plus the output's rounding (:func:`unit_roundoff`; 2**-8 for bf16, which the H200
-    measured as 2.1e-3 to 3.1e-3 at DeepSeek-V3 shapes)."""
+    :data:`FAST_PATH_RTOL` plus the output's rounding (:func:`unit_roundoff`; 2**-8 for bf16)."""
     return FAST_PATH_RTOL + unit_roundoff(out_dtype)
 
 
 def fp32_sum_rtol(k: int) -> float:
-    """Tolerance of two fp32 sums of the same K exact products in different orders, relative to max |y| of
-    data as above: the standard bound K * 2**-24 on the sum of magnitudes, whose ratio to max |y| is < 1 here."""
+    """Tolerance of two fp32 sums of the same K exact products in different orders, relative to max |y|: the
+    standard bound K * 2**-24 relative to the sum of the products' magnitudes. For zero-mean data that sum is a few
+    times max |y| (about 1.6x at K = 128), and the actual error a random walk far below the bound, which the tests'
+    data leaves ample room for; it is not a worst-case bound relative to max |y|."""
     return k * 2.0 ** -24
 
 
@@ -214,19 +214,30 @@ def _mx_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def tf32_matmul(device: torch.device) -> Iterator[None]:
-    """fp32 matmuls on a CUDA ``device`` use TF32 inside the block (``torch.set_float32_matmul_precision("high")``,
-    restored after); a no-op elsewhere. For GEMMs of dequantised FP8 values: TF32 keeps 11 significant bits, so it
-    rounds each operand by at most 2**-11 relative, 1/128 of the 2**-4 of E4M3 itself. Process-wide while inside
-    (torch has no per-call switch)."""
+    """fp32 matmuls on a CUDA ``device`` use TF32 inside the block (``torch.backends.cuda.matmul.fp32_precision =
+    "tf32"``, restored after); a no-op elsewhere. For GEMMs of dequantised FP8 values: TF32 keeps 11 significant
+    bits, so it rounds each operand by at most 2**-11 relative, 1/128 of the 2**-4 of E4M3 itself. Process-wide
+    while inside (torch has no per-call switch). Only the per-backend setting is used, never the legacy
+    ``set_float32_matmul_precision``: torch 2.13 refuses to read the legacy one once the new one was set."""
     if device.type != "cuda":
         yield
         return
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    with matmul_fp32_precision("tf32"):
+        yield
+
+
+@contextlib.contextmanager
+def matmul_fp32_precision(precision: str) -> Iterator[None]:
+    """CUDA fp32 matmuls in ``precision`` ("tf32" or "ieee") inside the block, the previous setting ("none":
+    follow the legacy switch) restored after. torch 2.11 and 2.13 both have ``torch.backends.cuda.matmul.
+    fp32_precision``."""
+    m = torch.backends.cuda.matmul
+    prev = m.fp32_precision
+    m.fp32_precision = precision
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(prev)
+        m.fp32_precision = prev
 
 
 _WARNED: set[tuple] = set()

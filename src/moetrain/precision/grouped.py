@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from moetrain import devices
 from moetrain.precision import fused
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
-from moetrain.precision.gemm import warn_emulated
+from moetrain.precision.gemm import matmul_fp32_precision, warn_emulated
 from moetrain.precision.quant import fake_quantise, fake_quantise_groups
 from moetrain.precision.recipe import Fp8Recipe
 
@@ -117,24 +117,39 @@ def _zero_tail(t: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     return torch.where((rows < end).unsqueeze(-1), t, 0)
 
 
+def _pad8(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``t`` zero-padded at the end of each of ``dims`` to a multiple of 8 (bf16 rows of 16-byte multiples, which
+    CUDA's ``_grouped_mm`` needs); itself when already aligned."""
+    pad = [0] * (2 * t.dim())
+    for d in dims:
+        pad[2 * (t.dim() - 1 - d % t.dim()) + 1] = -t.shape[d] % 8
+    return F.pad(t, pad) if any(pad) else t
+
+
 def _gmm(a_PK: torch.Tensor, b_ENK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """fp32 y_p = a_p @ b[e(p)]^T for rows grouped by ``offs_E``; rows past offs[-1] are zero. (P, K) -> (P, N).
 
     CPU: ``torch._grouped_mm`` in fp32. CUDA: its kernel is bf16-only (fp32 accumulation, bf16 output); the MXFP8
     operands are exact in bf16 (E4M3 values times powers of two), fp32-scaled ones are rounded to bf16 (2**-9
-    relative per element), and the output is rounded to bf16 once.
+    relative per element), and the output is rounded to bf16 once. K and N are zero-padded to multiples of 8 there
+    (zeros add nothing to a sum; the extra columns are cut off).
     """
+    N = b_ENK.shape[1]
     if a_PK.device.type == "cuda":
-        y = torch._grouped_mm(a_PK.bfloat16(), b_ENK.bfloat16().transpose(-2, -1), offs=offs_E).float()
+        a, b = _pad8(a_PK.bfloat16(), (-1,)), _pad8(b_ENK.bfloat16(), (-2, -1))
+        y = torch._grouped_mm(a, b.transpose(-2, -1), offs=offs_E).float().narrow(-1, 0, N)
     else:
         y = torch._grouped_mm(a_PK, b_ENK.transpose(-2, -1), offs=offs_E)
     return _zero_tail(y, offs_E.select(0, -1))
 
 
 def _gmm_wgrad(dy_PN: torch.Tensor, x_PK: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-    """fp32 per-group dy_e^T @ x_e: (P, N), (P, K) -> (E, N, K); empty groups give zeros."""
+    """fp32 per-group dy_e^T @ x_e: (P, N), (P, K) -> (E, N, K); empty groups give zeros. On CUDA in bf16 as
+    :func:`_gmm`, N and K zero-padded to multiples of 8."""
     if dy_PN.device.type == "cuda":
-        return torch._grouped_mm(dy_PN.bfloat16().t(), x_PK.bfloat16(), offs=offs_E).float()
+        N, K = dy_PN.shape[1], x_PK.shape[1]
+        dy, x = _pad8(dy_PN.bfloat16(), (-1,)), _pad8(x_PK.bfloat16(), (-1,))
+        return torch._grouped_mm(dy.t(), x, offs=offs_E).float().narrow(-2, 0, N).narrow(-1, 0, K)
     return torch._grouped_mm(dy_PN.t(), x_PK, offs=offs_E)
 
 
@@ -169,10 +184,18 @@ class RowwiseFp8GroupedMM(torch.autograd.Function):
                 out_dtype: torch.dtype) -> torch.Tensor:
         r = recipe
         P, E = x_PK.shape[0], w_ENK.shape[0]
+        N, K = w_ENK.shape[1:]
         kernel = grouped_kernel(x_PK.device)
         if not kernel and x_PK.device.type == "cuda":
             warn_emulated("routed-expert GEMMs", r.fmt, x_PK.device,
                           "torch's FP8 grouped GEMM (_scaled_grouped_mm) runs on sm90 and sm100 only")
+        elif kernel and (P % 16 or N % 16 or K % 16):
+            # the kernel reads and writes rows of 16-byte multiples: FP8 rows of K (fprop), N (dgrad's W^T) and P
+            # (wgrad's (K, P) operand) elements
+            kernel = False
+            warn_emulated("routed-expert GEMMs (unaligned dims)", r.fmt, x_PK.device,
+                          f"torch's FP8 grouped GEMM needs the rows P={P}, model dim and expert width (here "
+                          f"{K} and {N}) to be multiples of 16")
         group_P = group_index(offs_E, P)
         chunk = _chunk(r, P)
         with torch.autocast(x_PK.device.type, enabled=False):
@@ -314,15 +337,11 @@ def grouped_reference(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
     dx = x_PK.new_zeros(P, w_ENK.shape[2], dtype=torch.float32)
     dw = torch.zeros(w_ENK.shape, dtype=torch.float32, device=w_ENK.device)
     ends = offs_E.tolist()
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
+    with matmul_fp32_precision("ieee"):
         for e, (a, b) in enumerate(zip([0] + ends[:-1], ends)):
             y[a:b] = xv[a:b] @ w_f[e].t()
             dx[a:b] = dyv[a:b] @ w_d[e]
             dw[e] = dyg[a:b].t() @ xg[a:b]
-    finally:
-        torch.set_float32_matmul_precision(prev)
     return y, dx, dw
 
 

@@ -33,9 +33,10 @@ wgrad       dy, x: one scale per (expert, column) over   ``_scaled_grouped_mm`` 
 ==========  ===========================================  ============================  ===========================
 
 Why the blockwise recipe's experts are row-wise: torch 2.11 has no blockwise grouped FP8 GEMM on Hopper
-(``F.scaled_grouped_mm`` with ``BlockWise1x128`` x ``BlockWise128x128`` raised "No gemm implementation was found" on
-an H200, 2026-12-04), while the row-wise ``torch._scaled_grouped_mm`` runs there at 1.48x the bf16 grouped GEMM
-(docs/fp8.md, "Routed experts"). The same tiles are used on every device, CPU included, so a CPU run computes what
+(``F.scaled_grouped_mm`` with ``BlockWise1x128`` x ``BlockWise128x128`` raises "No gemm implementation was found"
+on sm90), while the row-wise ``torch._scaled_grouped_mm`` has one, whose GEMM alone beats the bf16 grouped GEMM
+(docs/fp8.md, "Routed experts", for the measurements, and for what the experts' whole forward and backward
+measured). The same tiles are used on every device, CPU included, so a CPU run computes what
 the GPU computes. The cost is coarser scales along the contraction: one outlier in a token row (or a weight row)
 sets the scale of the whole row, where 1x128 tiles confine it to 128 elements (DeepSeek-V3 sec. 3.3.2's reason for
 fine-grained tiles). The wgrad's x is quantised in the forward straight from x, per (expert, column), and kept as

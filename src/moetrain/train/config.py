@@ -36,10 +36,12 @@ class TrainConfig:
             from a checkpoint of the run.
         allow_schedule_change: let a resume change the learning-rate schedule (lr, min_lr, warmup_steps,
             schedule, or steps under a decaying schedule); refused otherwise, since it changes the LR mid-run.
-        fp8: FP8 GEMMs: "none", "blockwise" (DeepSeek-V3: E4M3, 1x128 activation/gradient tiles, 128x128 weight
-            blocks, fp32 scales) or "mxfp8" (OCP MX: 32-element blocks, E8M0 scales). Dense, shared-expert and
-            routed-expert FFNs, MLA projections; embedding, head, router, norms and attention stay high precision
-            (docs/fp8.md). Emulated exactly (quantise, fp32 GEMM) where the hardware has no FP8 GEMM.
+        fp8: FP8 GEMMs: "none", "blockwise" (DeepSeek-V3: E4M3, fp32 scales; linears 1x128 activation/gradient
+            tiles and 128x128 weight blocks, routed experts one scale per token row and per weight row, as Hopper's
+            grouped FP8 kernel takes them) or "mxfp8" (OCP MX: 32-element blocks, E8M0 scales). Dense,
+            shared-expert and routed-expert FFNs, MLA projections; embedding, head, router, norms and attention stay
+            high precision (docs/fp8.md). Where the GPU has no FP8 kernel for the recipe the quantised values are
+            multiplied in higher precision (fp32 on CPU, TF32 or bf16 on a GPU, warned once).
         profile_steps: optimizer steps (1-based) to record with ``torch.profiler``; each writes a Chrome trace
             ``out_dir/profile/step<N>-rank<r>.json`` (open in Perfetto or chrome://tracing), where EP overlap's
             forward and backward segments of the paired micro-batches appear as named ranges.

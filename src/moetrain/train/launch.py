@@ -193,9 +193,19 @@ def _kill_workers() -> None:
         p.kill()
 
 
-def _failure_message(e: Any, job: JobConfig) -> str:
+def _rank_log(job: JobConfig, rank: int) -> Path:
+    return Path(job.train.out_dir) / "logs" / f"rank-{rank}.log"
+
+
+def _rank_log_sizes(job: JobConfig, nproc: int) -> dict[int, int]:
+    """Bytes in each local rank's log before this run: what a failure report reads starts after them."""
+    return {r: (_rank_log(job, r).stat().st_size if _rank_log(job, r).is_file() else 0) for r in range(nproc)}
+
+
+def _failure_message(e: Any, job: JobConfig, log_sizes: dict[int, int] | None = None) -> str:
     """One line for a failed worker: the first failure's own one-line message (rank, step, exception, where its
-    traceback is) -- or how it died -- and how to continue."""
+    traceback is) -- or how it died, with the phase its hang monitor reported stuck in this run (``log_sizes``: the
+    rank logs' sizes when it started) -- and how to continue."""
     ckpt = latest_checkpoint(job.train.out_dir)
     hint = f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written"
     rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)  # the root cause fails first
@@ -208,7 +218,7 @@ def _failure_message(e: Any, job: JobConfig) -> str:
     elif first.exitcode < 0:
         reason = f"rank {rank} was killed by signal {-first.exitcode}"
         # NCCL's watchdog aborts (SIGABRT) a process whose collective timed out; the hang monitor named the phase
-        stall = last_stall(Path(job.train.out_dir) / "logs" / f"rank-{rank}.log")
+        stall = last_stall(_rank_log(job, rank), (log_sizes or {}).get(rank, 0))
         if stall is not None:
             reason += f", after: {stall}"
     else:
@@ -254,12 +264,13 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None) 
         logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, in one line
     clear_stop_file(job.train.out_dir)
     stop = StopRequest(out_dir=job.train.out_dir, on_second=_kill_workers).install()
+    log_sizes = _rank_log_sizes(job, nproc)
     try:
         results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run, False)
     except ChildFailedError as e:
         if stop.signum:  # interrupted before the workers could install their own handlers (start-up)
             raise KeyboardInterrupt from None
-        raise RuntimeError(_failure_message(e, job)) from None
+        raise RuntimeError(_failure_message(e, job, log_sizes)) from None
     finally:
         stop.uninstall()
         clear_stop_file(job.train.out_dir)
