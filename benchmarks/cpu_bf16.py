@@ -24,7 +24,8 @@ import torch
 
 from moetrain.model.config import get_preset
 from moetrain.model.transformer import build_model
-from moetrain.precision import FP8_DTYPE, apply_fp8
+from moetrain.precision import FP8_DTYPE
+from moetrain.precision.apply import apply_fp8
 from moetrain.precision.cpu_bf16 import EmulatedBf16Gemms
 from moetrain.precision.quant import e4m3_to_float, fake_quantise, quantise
 

@@ -541,7 +541,7 @@ def check_loss_gap(quick: bool, args: argparse.Namespace) -> Iterator[Row]:
     from moetrain.data.synthetic import synthetic_batches
     from moetrain.model.config import get_preset
     from moetrain.model.transformer import build_model
-    from moetrain.precision import apply_fp8
+    from moetrain.precision.apply import apply_fp8
 
     dev = _device()
     steps = min(args.steps, 6) if quick else args.steps

@@ -299,10 +299,39 @@ def test_padded_slots_layout_and_refusals():
     assert padded_slots([0, 0], 0) is None
 
 
-def test_grouped_mm_unaligned_dims_fall_back():
-    cfg = moe_cfg(expert_ffn_dim=6)
-    model = build_model(cfg)
-    model(torch.randint(0, cfg.vocab_size, (2, 8)))
+def test_grouped_mm_unaligned_dims_fall_back(monkeypatch):
+    # expert_ffn_dim 6 in fp32: the down projection's 24-byte rows are refused by torch._grouped_mm (16-byte
+    # strides). That GEMM must take the exact per-expert loop (the gate/up GEMM, K = 16 and N = 12, stays on the
+    # kernel), and the experts give the hand-written SwiGLU of each row's expert.
+    torch.manual_seed(0)
+    E, D, F_ = 4, 16, 6
+    experts = GroupedExperts(E, D, F_)
+    torch.nn.init.normal_(experts.w13_E2FD, std=0.3)
+    torch.nn.init.normal_(experts.w2_EDF, std=0.3)
+    counts = [3, 0, 5, 1]  # unequal groups: the CPU batched-slot path (padded_slots) does not apply either
+    x = torch.randn(sum(counts), D)
+    kernel_calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: kernel_calls.append(a) or real(*a, **k))
+    y = experts(x, torch.tensor(counts))
+    assert [tuple(a[0].shape) for a in kernel_calls] == [(9, D)]  # the gate/up GEMM only
+    assert all(a[0].shape[-1] * a[0].element_size() % 16 == 0 for a in kernel_calls)
+    ref, row = [], 0
+    for e, n in enumerate(counts):
+        xe = x[row:row + n]
+        h1, h3 = xe @ experts.w1_EFD[e].t(), xe @ experts.w3_EFD[e].t()
+        ref.append((h1 * torch.sigmoid(h1) * h3) @ experts.w2_EDF[e].t())
+        row += n
+    torch.testing.assert_close(y, torch.cat(ref), rtol=1e-5, atol=1e-6)
+    # and the aligned shape does use the kernel, so the spy above can see a call when one happens
+    aligned = GroupedExperts(E, D, 8)
+    torch.nn.init.normal_(aligned.w13_E2FD, std=0.3)
+    torch.nn.init.normal_(aligned.w2_EDF, std=0.3)
+    aligned(x, torch.tensor(counts))
+    assert len(kernel_calls) == 3
+    cfg = moe_cfg(expert_ffn_dim=6)  # and the whole model runs with such experts
+    tok = torch.randint(0, cfg.vocab_size, (2, 8))
+    assert torch.isfinite(build_model(cfg)(tok, tok).lm_loss_sum)
 
 
 def test_grouped_mm_loop_padding_rows_are_zero():

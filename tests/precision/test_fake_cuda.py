@@ -38,7 +38,8 @@ from moetrain import devices
 from moetrain.model.config import get_preset
 from moetrain.model.moe import GroupedExperts, _GroupedMM, _grouped_mm_supported
 from moetrain.model.transformer import build_model
-from moetrain.precision import apply_fp8, fused, gemm
+from moetrain.precision import fused, gemm
+from moetrain.precision.apply import apply_fp8
 from moetrain.precision.gemm import operand_t, scaled_mm_fast
 from moetrain.precision.grouped import RowwiseFp8GroupedMM, aligned_layout
 from moetrain.precision.linear import Fp8Linear, Fp8LinearFunction

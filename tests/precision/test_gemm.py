@@ -178,11 +178,10 @@ def test_cpu_rowwise_fast_path_equals_reference():
     assert scaled_mm_fast(quantise(torch.randn(64, 256), (1, 128)), quantise(torch.randn(40, 256), (128, 128))) is None
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("r", RECIPES, ids=lambda r: r.name)
 @pytest.mark.parametrize("M,K,N", [(256, 512, 384), (1024, 768, 768), (300, 200, 136)])
 def test_cuda_fast_path_equals_reference_in_all_three_gemms(r: Fp8Recipe, M: int, K: int, N: int):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the blockwise (Hopper) and MXFP8 (Blackwell) scaled_mm paths need one")
     torch.manual_seed(0)
     dev = torch.device("cuda")
     x, w, dy = torch.randn(M, K, device=dev), torch.randn(N, K, device=dev), torch.randn(M, N, device=dev)

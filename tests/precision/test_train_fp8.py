@@ -13,7 +13,7 @@ from moetrain.data.synthetic import synthetic_batches
 from moetrain.model.config import get_preset
 from moetrain.model.moe import GroupedExperts
 from moetrain.model.transformer import build_model
-from moetrain.precision import apply_fp8
+from moetrain.precision.apply import apply_fp8
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
 from moetrain.precision.linear import Fp8Linear
 from moetrain.model.config import ConfigError

@@ -23,6 +23,7 @@ from moetrain import devices
 from moetrain.model.config import ModelConfig
 from moetrain.model.layers import SwiGLU
 from moetrain.model.phases import carry, current_tape, weight_grad
+from moetrain.precision.grouped import fp8_expert_swiglu
 
 DropPolicy = Literal["probs", "position"]
 
@@ -283,7 +284,7 @@ class GroupedExperts(nn.Module):
     25%, hence the threshold). With ``use_grouped_mm = False``, an exact per-expert loop (the reference the tests
     compare with).
 
-    FP8 (``fp8_recipe`` set by ``moetrain.precision.apply_fp8``): all six GEMMs quantised per the recipe, on rows
+    FP8 (``fp8_recipe`` set by ``moetrain.precision.apply.apply_fp8``): all six GEMMs quantised per the recipe, on rows
     whose expert groups are padded to the recipe's alignment (``moetrain.precision.grouped``).
 
     forward(x_SD, tokens_per_expert_E) -> (S, D). Rows past sum(tokens_per_expert) (capacity padding) give zeros.
@@ -296,7 +297,7 @@ class GroupedExperts(nn.Module):
         self.w13_E2FD = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2_EDF = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.use_grouped_mm = True
-        # An FP8 recipe (moetrain.precision.Fp8Recipe) set by ``moetrain.precision.apply_fp8``; None: high precision.
+        # An FP8 recipe (moetrain.precision.Fp8Recipe) set by ``moetrain.precision.apply.apply_fp8``; None: high precision.
         self.fp8_recipe: Any = None
 
     @property
@@ -316,8 +317,6 @@ class GroupedExperts(nn.Module):
         w13_E2FD, w2_EDF = _local(self.w13_E2FD), _local(self.w2_EDF)
         cpu = x_SD.device.type == "cpu"
         if self.fp8_recipe is not None:
-            # imported here: moetrain.precision imports the model package (apply_fp8)
-            from moetrain.precision.grouped import fp8_expert_swiglu
             return fp8_expert_swiglu(x_SD, w13_E2FD, w2_EDF, tokens_per_expert_E, self.fp8_recipe, dtype,
                                      tokens_per_expert_E.tolist() if cpu else None)
         fast = self.use_grouped_mm and _grouped_mm_supported(x_SD, 2 * self.hidden_dim, D, self.hidden_dim)

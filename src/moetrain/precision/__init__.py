@@ -1,4 +1,8 @@
-"""FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes, ``apply_fp8``.
+"""FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes.
+
+These are the kernels the model's modules call, below the model in the layers (tools/import_graph.py).
+:func:`moetrain.precision.apply.apply_fp8`, which swaps them into a built model, sits above it and is not
+re-exported here: importing this package must not import the model.
 
 * :mod:`~moetrain.precision.quant` -- E4M3 casts, tile/block scales (fp32 and E8M0), dequantisation.
 * :mod:`~moetrain.precision.gemm` -- FP8 GEMM reference (fp32 GEMM of dequantised operands), fast paths and their
@@ -12,9 +16,8 @@
 See docs/fp8.md for the recipes and their sources.
 """
 
-from moetrain.precision.apply import apply_fp8
 from moetrain.precision.quant import E4M3_MAX, FP8_DTYPE, Quantized, cast_e4m3, fake_quantise, quantise
 from moetrain.precision.recipe import BLOCKWISE, MXFP8, RECIPE_NAMES, RECIPES, Fp8Recipe, get_recipe
 
-__all__ = ["apply_fp8", "E4M3_MAX", "FP8_DTYPE", "Quantized", "cast_e4m3", "fake_quantise", "quantise", "BLOCKWISE",
+__all__ = ["E4M3_MAX", "FP8_DTYPE", "Quantized", "cast_e4m3", "fake_quantise", "quantise", "BLOCKWISE",
            "MXFP8", "RECIPE_NAMES", "RECIPES", "Fp8Recipe", "get_recipe"]

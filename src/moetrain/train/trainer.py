@@ -175,7 +175,7 @@ def _apply_precision(model: Transformer, job: JobConfig) -> None:
     """FP8 GEMMs (``train.fp8``) swapped in on the single-device (meta) model, before it is parallelized."""
     recipe = getattr(job.train, "fp8", "none")
     if recipe != "none":
-        from moetrain.precision import apply_fp8
+        from moetrain.precision.apply import apply_fp8
         apply_fp8(model, recipe)
 
 
