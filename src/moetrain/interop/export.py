@@ -17,9 +17,12 @@ from pathlib import Path
 
 import torch
 
-from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
 from moetrain.errors import CheckpointError
-from moetrain.interop.hf import FP8_QUANTIZATION_CONFIG, HFSpec, fp8_fetch, fp8_specs, hf_specs, write_hf_checkpoint
+from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
+from moetrain.interop.fp8_blocks import FP8_QUANTIZATION_CONFIG, fp8_fetch, fp8_specs
+from moetrain.interop.hf import hf_specs, write_hf_checkpoint
+from moetrain.interop.registry import adapter_for_config
+from moetrain.interop.safetensors_io import HFSpec
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import build_model
 
@@ -97,7 +100,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
     if fp8:
         if dtype is None:
             specs = hf_specs(model, torch.bfloat16)
-        specs, source = fp8_specs(specs)
+        specs, source = fp8_specs(specs, adapter_for_config(cfg).is_fp8_weight)
         source = {n: HFSpec(sp.hf_name, sp.shape, torch.float32, sp.name, sp.region) for n, sp in source.items()}
         return write_hf_checkpoint(cfg, specs, fp8_fetch(fetch, source), out_dir, max_shard_bytes,
                                    dtype or torch.bfloat16, overwrite, extra, FP8_QUANTIZATION_CONFIG)
