@@ -257,7 +257,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # Tensor names
 # ----------------------------------------------------------------------------------------------------------------
@@ -362,7 +361,8 @@ class DeepSeekAdapter(StateDictAdapter):
     family = "DeepSeek-V3 / DeepSeek-V2 architectures"
 
     def handles(self, cfg: ModelConfig) -> bool:
-        """Every :class:`ModelConfig`: moetrain's models are this family's (MLA attention, DeepSeekMoE)."""
+        """Every :class:`ModelConfig`: moetrain's model config describes this family alone (MLA attention,
+        DeepSeekMoE routing); a second family's config makes this test specific."""
         return isinstance(cfg, ModelConfig)
 
     def config_from_hf(self, d: dict[str, Any]) -> ModelConfig:
