@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import moetrain.interop.hf as hf
+import moetrain.interop.safetensors_io as st_io
 from moetrain.interop.hf import (CheckpointError, config_from_hf, config_to_hf, dequantize_fp8_blockwise,
                                  hf_tensor_names, load_hf_checkpoint, load_hf_config, save_hf_checkpoint)
 from moetrain.model import IGNORE_INDEX, ConfigError, ModelConfig, build_model, get_preset
@@ -80,7 +80,7 @@ class SliceSpy:
 
 
 class SafeOpenSpy:
-    """Wraps safe_open in the hf module: records open files and every tensor read (whole or sliced)."""
+    """Wraps safe_open in the safetensors I/O module: records open files and every tensor read (whole or sliced)."""
 
     def __init__(self, monkeypatch):
         self.real = safe_open
@@ -115,7 +115,7 @@ class SafeOpenSpy:
                 spy.reads.append(k)
                 return self._f.get_tensor(k)
 
-        monkeypatch.setattr(hf, "safe_open", Handle)
+        monkeypatch.setattr(st_io, "safe_open", Handle)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -405,7 +405,7 @@ def test_mtp_saved_as_extra_hf_layers_and_reloaded(tmp_path):
 def test_save_is_atomic(tmp_path, monkeypatch):
     model = _model(micro())
     target = tmp_path / "ckpt"
-    real = hf.save_file
+    real = st_io.save_file
     calls = []
 
     def watching(tensors, filename, metadata=None):
@@ -414,7 +414,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
         calls.append(filename)
         return real(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(hf, "save_file", watching)
+    monkeypatch.setattr(st_io, "save_file", watching)
     save_hf_checkpoint(model, target, max_shard_bytes=100_000)
     assert len(calls) > 2 and target.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp directory left behind
@@ -427,7 +427,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
             raise OSError("disk full")
         return real(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(hf, "save_file", failing)
+    monkeypatch.setattr(st_io, "save_file", failing)
     with pytest.raises(OSError, match="disk full"):
         save_hf_checkpoint(model, failing_target, max_shard_bytes=100_000)
     assert not failing_target.exists()
@@ -437,7 +437,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         save_hf_checkpoint(model, target, max_shard_bytes=100_000, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == before
-    monkeypatch.setattr(hf, "save_file", real)
+    monkeypatch.setattr(st_io, "save_file", real)
 
     with pytest.raises(FileExistsError):
         save_hf_checkpoint(model, target)

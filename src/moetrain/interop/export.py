@@ -1,5 +1,9 @@
 """``moetrain export``: a run's DCP checkpoint -> the released HF layout, without materialising the model.
 
+Only :func:`find_checkpoint` and :func:`export_run` (a run directory: which step, the trainer's own checks) use the
+trainer's checkpoint module, an import upward through the layers; :func:`export_checkpoint` needs nothing above
+``interop`` (the first two belong with the trainer's checkpointing).
+
 The checkpoint holds every tensor under its global shape, saved as the ranks' boxes. The exporter builds the model on
 the meta device only for its names and shapes (:func:`moetrain.interop.hf.hf_specs`), then writes the safetensors
 shards one at a time (:func:`moetrain.interop.hf.write_hf_checkpoint`); a shard's whole tensors are read with one
@@ -17,9 +21,12 @@ from pathlib import Path
 
 import torch
 
-from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
 from moetrain.errors import CheckpointError
-from moetrain.interop.hf import FP8_QUANTIZATION_CONFIG, HFSpec, fp8_fetch, fp8_specs, hf_specs, write_hf_checkpoint
+from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
+from moetrain.interop.fp8_blocks import FP8_QUANTIZATION_CONFIG, fp8_fetch, fp8_specs
+from moetrain.interop.hf import hf_specs, write_hf_checkpoint
+from moetrain.interop.registry import adapter_for_config
+from moetrain.interop.safetensors_io import HFSpec
 from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import build_model
 
@@ -74,6 +81,19 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
 
     ckpt = find_checkpoint(run_dir, step)
     verify_checkpoint(ckpt)  # the trainer's checks (marker, state, metadata, shard sizes), before writing anything
+    return export_checkpoint(ckpt, out_dir, Path(run_dir) / "tokenizer.json", dtype, max_shard_bytes, overwrite, fp8)
+
+
+def export_checkpoint(ckpt: Path, out_dir: str | os.PathLike, tokenizer: Path, dtype: torch.dtype | None = None,
+                      max_shard_bytes: float = 5e9, overwrite: bool = False, fp8: bool = False) -> Path:
+    """Write the HF checkpoint of the complete, verified DCP checkpoint directory ``ckpt`` (a ``step_*`` directory
+    of a run) to ``out_dir``, with ``tokenizer`` copied in when it exists. The part of :func:`export_run` that needs
+    nothing of the trainer; arguments and errors as there.
+
+    Raises:
+        CheckpointError: ``ckpt`` without the model config, or of an older layout, or unreadable.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+    """
     state = json.loads((ckpt / "trainer_state.json").read_text())
     if "model_config" not in state:
         raise CheckpointError(f"{ckpt}/trainer_state.json has no model_config; it was not written by moetrain train")
@@ -90,14 +110,13 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
     def fetch(shard: list[HFSpec]) -> dict[str, torch.Tensor]:
         return _read_shard(ckpt, shard)
 
-    tok = Path(run_dir) / "tokenizer.json"
-    extra = {"tokenizer.json": tok} if tok.is_file() else {}
+    extra = {"tokenizer.json": tokenizer} if tokenizer.is_file() else {}
     if not extra:
-        print(f"[moetrain] note: {tok} not found; the export has no tokenizer")
+        print(f"[moetrain] note: {tokenizer} not found; the export has no tokenizer")
     if fp8:
         if dtype is None:
             specs = hf_specs(model, torch.bfloat16)
-        specs, source = fp8_specs(specs)
+        specs, source = fp8_specs(specs, adapter_for_config(cfg).is_fp8_weight)
         source = {n: HFSpec(sp.hf_name, sp.shape, torch.float32, sp.name, sp.region) for n, sp in source.items()}
         return write_hf_checkpoint(cfg, specs, fp8_fetch(fetch, source), out_dir, max_shard_bytes,
                                    dtype or torch.bfloat16, overwrite, extra, FP8_QUANTIZATION_CONFIG)
