@@ -511,7 +511,7 @@ def run_layout(dp: int, ep: int, a: argparse.Namespace, work: Path, log=print) -
              [mt, "train", *margs, "--ep", str(other), "--steps", "3", "--resume", "--out", str(run_dir)]),
             ("export (CLI, default 5e9-byte shards)", [mt, "export", str(run_dir), str(run_dir / "hf")]),
             ("export (API, max_shard_bytes=1e9)",
-             [sys.executable, "-c", "import sys; from moetrain.interop.export import export_run; "
+             [sys.executable, "-c", "import sys; from moetrain.train.export import export_run; "
               "export_run(sys.argv[1], sys.argv[2], max_shard_bytes=1e9)", str(run_dir), str(run_dir / "hf-1gb")]),
         ]
         def cleanup(name: str):

@@ -212,7 +212,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from moetrain.interop.export import DTYPES, export_run
+    from moetrain.interop.export import DTYPES
+    from moetrain.train.export import export_run
 
     out = export_run(args.run_dir, args.out_dir, step=args.step, dtype=DTYPES.get(args.dtype),
                      overwrite=args.overwrite, fp8=args.fp8)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from moetrain.config import load_job_config
 from moetrain.errors import CheckpointError
-from moetrain.interop.export import export_run
+from moetrain.train.export import export_run
 from moetrain.interop.hf import check_hf_checkpoint, load_hf_checkpoint, load_hf_config, save_hf_checkpoint
 from moetrain.model import build_model, get_preset
 from moetrain.parallel.config import ParallelConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moetrain.interop.export import export_run
+from moetrain.train.export import export_run
 from moetrain.interop.deepseek import is_fp8_weight
 from moetrain.interop.hf import FP8_QUANTIZATION_CONFIG, iter_hf_state, load_hf_checkpoint
 from moetrain.model import build_model, get_preset

@@ -1,8 +1,5 @@
-"""``moetrain export``: a run's DCP checkpoint -> the released HF layout, without materialising the model.
-
-Only :func:`find_checkpoint` and :func:`export_run` (a run directory: which step, the trainer's own checks) use the
-trainer's checkpoint module, an import upward through the layers; :func:`export_checkpoint` needs nothing above
-``interop`` (the first two belong with the trainer's checkpointing).
+"""A DCP checkpoint -> the released HF layout, without materialising the model (``moetrain export``; the run
+directory's side -- which step, the trainer's own checks -- is :func:`moetrain.train.export.export_run`).
 
 The checkpoint holds every tensor under its global shape, saved as the ranks' boxes. The exporter builds the model on
 the meta device only for its names and shapes (:func:`moetrain.interop.hf.hf_specs`), then writes the safetensors
@@ -31,57 +28,6 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.transformer import build_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path:
-    """The complete checkpoint of ``run_dir`` at ``step`` (default: the newest).
-
-    Raises:
-        CheckpointError: no complete checkpoint (at that step), naming the ones there are.
-    """
-    from moetrain.train.checkpoint import STEP_DIR, checkpoint_dir, complete_checkpoints, latest_checkpoint
-
-    root = checkpoint_dir(run_dir)
-    if step is None and root.is_dir() and latest_checkpoint(run_dir) is None and list(root.glob(".tmp-step_*")):
-        raise CheckpointError(f"{run_dir} holds only an interrupted checkpoint save ({root}/.tmp-*), no complete "
-                              f"checkpoint; resume the run (--resume) to write one")
-    done = [int(STEP_DIR.match(p.name).group(1)) for p in complete_checkpoints(run_dir)]
-    if step is None:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise CheckpointError(f"{run_dir} has no complete checkpoint under {root}; is it a run directory of "
-                                  f"`moetrain train --out`?")
-        return ckpt
-    if step not in done:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint at step {step}; complete steps: {done}")
-    return root / f"step_{step:08d}"
-
-
-def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
-               dtype: torch.dtype | None = None, max_shard_bytes: float = 5e9, overwrite: bool = False,
-               fp8: bool = False) -> Path:
-    """Write the HF checkpoint of ``run_dir``'s checkpoint (newest, or ``step``) to ``out_dir``: sharded safetensors,
-    index, config.json (MTP layers under ``model.layers.{n_layers}``, as released) and the run's tokenizer.json.
-
-    Args:
-        dtype: cast floating tensors (the router bias stays fp32); None keeps the trained fp32 values exactly.
-        fp8: write the released FP8 layout: attention and FFN linears as float8_e4m3fn with a fp32
-            ``weight_scale_inv`` per 128x128 block, quantised from the trained fp32 weights, and config.json's
-            ``quantization_config``; the other tensors in ``dtype`` (default bf16, as released).
-
-    Raises:
-        CheckpointError: no such checkpoint, one without the model config, or one of an older layout.
-        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-    """
-    run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
-    if out == run or out in run.parents:
-        raise CheckpointError(f"the export directory {out_dir} would contain (and, replaced, delete) the run "
-                              f"{run_dir} itself; export to a new directory, e.g. {Path(run_dir) / 'hf'}")
-    from moetrain.train.checkpoint import verify_checkpoint
-
-    ckpt = find_checkpoint(run_dir, step)
-    verify_checkpoint(ckpt)  # the trainer's checks (marker, state, metadata, shard sizes), before writing anything
-    return export_checkpoint(ckpt, out_dir, Path(run_dir) / "tokenizer.json", dtype, max_shard_bytes, overwrite, fp8)
 
 
 def export_checkpoint(ckpt: Path, out_dir: str | os.PathLike, tokenizer: Path, dtype: torch.dtype | None = None,
