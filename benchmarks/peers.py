@@ -123,7 +123,7 @@ def hf_causal_lm(ckpt_dir: str | Path, impl: str, device: str):
 
 def hf_causal_lm_from_moetrain(src: nn.Module, cfg: ModelConfig, impl: str, device: str):
     """HF model with ``src``'s weights copied in memory (no checkpoint on disk: used on GPU, where the model is too
-    large to write and read back within the suite's time budget). Names follow moetrain.interop.hf's table; the
+    large to write and read back within the suite's time budget). Names follow moetrain.interop.deepseek's table; the
     experts go to transformers v5's stacked layout (gate_up_proj = [w1; w3], down_proj = w2)."""
     from transformers import DeepseekV3ForCausalLM
     hcfg = hf_config(cfg, impl)
