@@ -144,6 +144,9 @@ def a2a_rows(c: CostContext) -> tuple[float, float]:
 
 
 def a2a_pass_time(c: CostContext, bytes_per_elem: float) -> float:
+    """Time of one all-to-all pass (a dispatch or a combine) of one micro-batch, seconds: the rows of
+    :func:`a2a_rows` of ``bytes_per_elem``-byte elements over NVLink and the NIC (the slower of the two), at the
+    busiest rank's load (the imbalance factor), plus one call's latency."""
     h = c.shape.dim
     rows_nvl, rows_nic = a2a_rows(c)
     nvl = c.n * rows_nvl * h * bytes_per_elem

@@ -13,6 +13,8 @@ from moetrain.plan.shape import ModelShape
 
 
 def stage_items(shape: ModelShape, plan: Plan, item_times: dict[str, float]) -> list[list[str]]:
+    """The items of each pipeline stage: the plan's layout, or else the split that balances the items' predicted
+    times (``item_times``, seconds per micro-batch by item kind)."""
     n_stages = n_pipeline_stages(plan)
     if plan.pp_layout:
         return layout_items(plan.pp_layout, shape, n_stages)
@@ -104,25 +106,25 @@ def p2p_time(c: CostContext, shape: ModelShape, plan: Plan) -> float:
     return 2 * (p2p_bytes / p2p_link + P2P_LATENCY_S) if plan.pp > 1 else 0.0
 
 
-# Which schedules hide the P2P transfers:
-# * 1F1B (Megatron, no interleaving): blocking send/recv between the steps -> exposed.
-# * interleaved 1F1B without EP overlap: with ``overlap_p2p_comm`` the forward send/recv is posted after a
-#   chunk's forward and waited before the next forward, so it runs under the backward of the same 1F1B step
-#   (and the backward's under the next forward) -> hidden.
-# * interleaved 1F1B with EP overlap = Megatron's combined 1F1B (``overlap_moe_expert_parallel_comm`` /
-#   Megatron-Bridge ``moe_a2a_overlap``): the forward of one chunk and the backward of another are merged into
-#   ONE step (``combined_1f1b.combined_forward_backward_step`` ->
-#   ``TransformerModelChunkSchedulePlan.run``), so the activation this rank's forward produces leaves only at
-#   the end of the merged step (``post_forward``), and the next merged step starts by waiting for the
-#   neighbours' (``pre_forward`` / ``pre_backward``). Between the two only the deferred weight gradient of
-#   the chunk's first attention runs ("Delay the last attn_dw in backward pass ... for overlapping with the
-#   p2p comm", megatron/core/models/common/model_chunk_schedule_plan.py): the transfer minus that dW is
-#   exposed, once per model chunk per micro-batch. Forward and backward sends leave on the same NIC at once
-#   (to the next and previous stage), hence the 2x of p2p_t.
-# * DualPipe: "both all-to-all and PP communication can be fully hidden" (DeepSeek-V3 report sec. 3.2.1).
 def p2p_stage_time(plan: Plan, overlap: bool, p2p_t: float, costs: dict[str, ItemCost], items: list[str]) -> float:
     """P2P time a stage holding ``items`` adds per micro-batch on its rank, seconds, given the transfer time
     ``p2p_t`` (:func:`p2p_time`) and whether EP overlap is on."""
+    # Which schedules hide the P2P transfers:
+    # * 1F1B (Megatron, no interleaving): blocking send/recv between the steps -> exposed.
+    # * interleaved 1F1B without EP overlap: with ``overlap_p2p_comm`` the forward send/recv is posted after a
+    #   chunk's forward and waited before the next forward, so it runs under the backward of the same 1F1B step
+    #   (and the backward's under the next forward) -> hidden.
+    # * interleaved 1F1B with EP overlap = Megatron's combined 1F1B (``overlap_moe_expert_parallel_comm`` /
+    #   Megatron-Bridge ``moe_a2a_overlap``): the forward of one chunk and the backward of another are merged into
+    #   ONE step (``combined_1f1b.combined_forward_backward_step`` ->
+    #   ``TransformerModelChunkSchedulePlan.run``), so the activation this rank's forward produces leaves only at
+    #   the end of the merged step (``post_forward``), and the next merged step starts by waiting for the
+    #   neighbours' (``pre_forward`` / ``pre_backward``). Between the two only the deferred weight gradient of
+    #   the chunk's first attention runs ("Delay the last attn_dw in backward pass ... for overlapping with the
+    #   p2p comm", megatron/core/models/common/model_chunk_schedule_plan.py): the transfer minus that dW is
+    #   exposed, once per model chunk per micro-batch. Forward and backward sends leave on the same NIC at once
+    #   (to the next and previous stage), hence the 2x of p2p_t.
+    # * DualPipe: "both all-to-all and PP communication can be fully hidden" (DeepSeek-V3 report sec. 3.2.1).
     sched = plan.resolved_schedule
     if sched in ("1f1b", "zbv"):
         return p2p_t
@@ -153,10 +155,8 @@ def rank_time(plan: Plan, costs: dict[str, ItemCost], item_times: dict[str, tupl
     """Time per micro-batch of the pipeline rank holding stages ``sts``: ``gather_s`` (its exposed FSDP gathers),
     then each item's time (:func:`item_time`) and each stage's P2P (``stage_p2p``, per stage). Under DualPipe each
     micro-batch visits one of the rank's two stages, hence half of the sum."""
-    parts = {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
-    t_total = 0.0
-    parts["comm"] += gather_s
-    t_total += gather_s
+    parts = {"compute": 0.0, "a2a": 0.0, "comm": gather_s}
+    t_total = gather_s
     for s_idx in sts:
         for k in stages[s_idx]:
             t, a = item_times[k]
@@ -179,18 +179,16 @@ def bubble_time(plan: Plan, t_mean: float) -> float:
     ``(PP-1) t``, interleaved ``(PP-1)/VPP t``, DualPipe ``(PP/2-1)(F&B + B - 3W)`` (docs/reference.md section 9)."""
     sched = plan.resolved_schedule
     if plan.pp == 1:
-        bubble = 0.0
-    elif sched == "interleaved":
-        bubble = (plan.pp - 1) / plan.vpp * t_mean
-    elif sched == "dualpipe":
-        bubble = (plan.pp / 2 - 1) * (2 / 3) * t_mean
-    elif sched == "dualpipev":
+        return 0.0
+    if sched == "interleaved":
+        return (plan.pp - 1) / plan.vpp * t_mean
+    if sched == "dualpipe":
+        return (plan.pp / 2 - 1) * (2 / 3) * t_mean
+    if sched == "dualpipev":
         # DualPipe's (PP'/2 - 1)(F&B + B - 3W) with PP' = 2 PP half-size chunks (docs/reference.md section 9:
         # DualPipeV is DualPipe on half the devices): (PP - 1) x (2/3) x t/2
-        bubble = (plan.pp - 1) * t_mean / 3
-    elif sched == "zbv":
+        return (plan.pp - 1) * t_mean / 3
+    if sched == "zbv":
         # ZB-1P's (PP-1)(F + B - 2W) with F = W = t/3, B = 2t/3, for the V's half-size chunks: (PP-1) t/6
-        bubble = (plan.pp - 1) * t_mean / 6
-    else:
-        bubble = (plan.pp - 1) * t_mean
-    return bubble
+        return (plan.pp - 1) * t_mean / 6
+    return (plan.pp - 1) * t_mean

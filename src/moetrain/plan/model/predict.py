@@ -243,10 +243,9 @@ def _step_breakdown(m: int, rank: RankTime, t_max: float, bubble: float, dp_expo
     # t_max is the slowest device's sum of the same parts: their difference is round-off when PP = 1
     idle = t_max - sum(parts.values())
     idle = 0.0 if abs(idle) <= 1e-12 * t_max else idle
-    step = StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
+    return StepBreakdown(compute=compute, exposed_a2a=m * parts["a2a"],
                          other_comm=m * parts["comm"] + dp_exposed, bubble=bubble + m * idle,
                          optimizer=t_opt, compute_parts={k: compute * v / tot for k, v in sub.items()})
-    return step
 
 
 def _details(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stages: list[list[str]],
@@ -256,7 +255,7 @@ def _details(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stages: lis
     """The prediction's ``details``: the intermediate quantities a report or a comparison reads."""
     m = plan.n_microbatches
     sched = plan.resolved_schedule
-    details = {
+    return {
         "stages": ["".join(st) for st in stages],
         "device_time_per_microbatch_s": dev_time,
         "slowest_device": slow,
@@ -280,7 +279,6 @@ def _details(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stages: lis
         "memory_per_device_gib": [mb.total for mb in mems],
         "efficiency": c.eff.to_dict(),
     }
-    return details
 
 
 def _prediction(c: CostContext, n_gpus: int, plan: Plan, mems: list[MemoryBreakdown], step: StepBreakdown,
