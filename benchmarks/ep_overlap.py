@@ -87,9 +87,9 @@ def predict(preset: str, routing: str, overlap: bool, mbs: int, accum: int, seq:
     d = pred.details
     # the all-to-all of every item ("E" embedding, "d" dense layer, "t" MoE layer, "m" MTP, "L" head) of the stages
     # of the pipeline rank with the most of it (the prediction's exposed time is the slowest rank's)
-    from moetrain.plan.model import _device_stages
+    from moetrain.plan.model.pipeline import device_stages
     per_rank = [sum(d["item_cost_s"][k]["a2a"] for s in sts for k in d["stages"][s])
-                for sts in _device_stages(pred.plan, len(d["stages"]))]
+                for sts in device_stages(pred.plan, len(d["stages"]))]
     total = d["microbatches"] * max(per_rank)
     return {"exposed_share": pred.step.exposed_a2a / total if total else 0.0, "step_s": pred.step.step,
             "schedule": d["overlap_schedule"]}

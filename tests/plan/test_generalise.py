@@ -13,7 +13,7 @@ from moetrain.plan import Plan, PlanError, predict
 from moetrain.plan import validation
 from moetrain.plan.cli import main as plan_main
 from moetrain.plan.hardware import GPUSpec, get_gpu
-from moetrain.plan.model import _Ctx, a2a_rows
+from moetrain.plan.model import CostContext, a2a_rows
 from moetrain.plan.constants import efficiency_for
 from moetrain.plan.plan import RECOMPUTE_MODULES, validate
 from moetrain.plan.records import RECORDS
@@ -23,13 +23,13 @@ from moetrain.plan.shape import ModelShape, load_shape
 DS = "deepseek-v3-671b"
 
 
-def _ctx(plan: Plan, gpu: str | GPUSpec = "h100", n: int = 1024, shape: ModelShape | None = None) -> _Ctx:
+def _ctx(plan: Plan, gpu: str | GPUSpec = "h100", n: int = 1024, shape: ModelShape | None = None) -> CostContext:
     """The model's context for ``plan`` on ``n`` GPUs (a catalogue name or a spec) of ``shape`` (default
     DeepSeek-V3)."""
     shape = shape or load_shape(DS)
     spec = gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu)
     plan = plan.replace(imbalance=1.2) if plan.routing == "real" else plan
-    return _Ctx(shape, spec, validate(plan, shape, spec, n), efficiency_for(spec.generation))
+    return CostContext(shape, spec, validate(plan, shape, spec, n), efficiency_for(spec.generation))
 
 
 def test_dispatcher_rows_follow_the_routing_statistics():
@@ -193,7 +193,7 @@ def test_dispatch_row_cost_against_its_sources():
     import statistics
 
     from moetrain.plan.constants import A2A_REF_ROW_BYTES, BLACKWELL, CPU, HOPPER
-    from moetrain.plan.model import _a2a_pass_time
+    from moetrain.plan.model import a2a_pass_time as _a2a_pass_time
 
     fp8_row, bf16_row = 7168 + 56 * 4, 7168 * 2           # bytes: FP8 with an FP32 scale per 128, BF16
 

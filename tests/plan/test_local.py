@@ -120,7 +120,7 @@ def test_local_pipelined_plan_is_the_run_the_trainer_makes(tmp_path):
     import argparse
     import json
 
-    from moetrain.plan.cli import _trainer_plan
+    from moetrain.plan.local import trainer_plan as _trainer_plan
     from moetrain.plan.model import predict
     from moetrain.plan.hardware import gpu_from_bench
     from moetrain.plan.shape import load_shape

@@ -153,13 +153,15 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     gpu = gpu_from_bench(args.bench_file) if gpu_name == "local" else get_gpu(gpu_name)
     # a `moetrain bench` machine defaults to the trainer's own run on it (model, data, batch, EP, processes)
     local = gpu.host_procs is not None
-    shape = load_shape(args.model or (rec.model if rec else _trainer_preset() if local else "deepseek-v3-671b"))
+    if local:  # the trainer's own job: moetrain.plan.local sits with train (it reads the job config)
+        from moetrain.plan.local import trainer_plan, trainer_preset
+    shape = load_shape(args.model or (rec.model if rec else trainer_preset() if local else "deepseek-v3-671b"))
     if args.nic_gbit is not None:
         gpu = with_overrides(gpu, nic_gbps=args.nic_gbit / 8)
     if args.nvlink_domain is not None:
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
     n = args.gpus if args.gpus is not None else (rec.n_gpus if rec else gpu.host_procs if local else 256)
-    plan = rec.plan if rec else _trainer_plan(shape, n, args) if local else Plan()
+    plan = rec.plan if rec else trainer_plan(shape, n, args) if local else Plan()
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)
@@ -195,45 +197,6 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
               f"{plan.n_microbatches if plan.dp else 'one'} per step: nothing is hidden (raise --gbs)",
               file=sys.stderr)
     return shape, gpu, n, plan, rec
-
-
-def _trainer_preset() -> str:
-    from moetrain.config import JobConfig
-
-    return JobConfig().preset
-
-
-def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) -> Plan:
-    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes, with the
-    pipeline flags given (``--pp``, ``--vpp``, ``--schedule``, ``--pp-layout``) applied the way the trainer applies
-    them (an unset micro-batch count becomes the schedule's minimum), so the plan is the run ``moetrain train``
-    would do with the same flags."""
-    from moetrain.config import load_job_config
-    from moetrain.plan.local import local_plan
-    from moetrain.train.from_plan import SCHEDULE_NAMES
-
-    sets = []
-    pp = getattr(args, "pp", None) or 1
-    if pp > 1:
-        sets.append(f"parallel.pp={pp}")
-        if getattr(args, "vpp", None):
-            sets.append(f"parallel.vpp={args.vpp}")
-        if getattr(args, "schedule", None):
-            sets.append(f'parallel.pp_schedule="{SCHEDULE_NAMES.get(args.schedule, args.schedule)}"')
-        if getattr(args, "pp_layout", None):
-            sets.append(f'parallel.pp_layout="{args.pp_layout}"')
-    job = load_job_config(None, sets)
-    cfg = shape.config
-    layout = job.parallel.pp_layout
-    if pp > 1 and layout is None and hasattr(cfg, "routing"):
-        from moetrain.parallel.pipeline import default_layout
-        layout = default_layout(cfg, job.parallel.n_stages)  # the split the trainer makes
-    stage = n // pp
-    ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
-    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
-                      job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
-                      schedule=job.parallel.pp_schedule, pp_layout=layout)
-    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 
 def _said_chart(args: argparse.Namespace) -> None:

@@ -11,10 +11,15 @@ The same cost model as for GPU clusters (:func:`moetrain.plan.model.predict`) ru
   FLOPs of the config; nothing is timed);
 * the trainer's layout: FSDP2 over all ranks (parameters all-gathered in every micro-batch's forward and backward,
   gradients reduce-scattered once per step), experts sliced over EP, fp32 on CPU, AdamW.
+
+It also gives ``moetrain plan --gpu local`` its starting point, the plan of ``moetrain train``'s built-in job
+(:func:`trainer_plan`): this module sits with train in the layer order (it reads the trainer's job config), so the
+rest of ``moetrain.plan`` does not import upward.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,3 +115,42 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
     tok = pred.tokens_per_s_per_gpu * world
     return LocalPrediction(tokens_per_s=tok, tokens_per_s_per_proc=pred.tokens_per_s_per_gpu,
                            step_s=pred.step.step, prediction=pred)
+
+
+def trainer_preset() -> str:
+    """The model preset of `moetrain train`'s built-in job."""
+    from moetrain.config import JobConfig
+
+    return JobConfig().preset
+
+
+def trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) -> Plan:
+    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes, with the
+    pipeline flags given (``--pp``, ``--vpp``, ``--schedule``, ``--pp-layout``) applied the way the trainer applies
+    them (an unset micro-batch count becomes the schedule's minimum), so the plan is the run ``moetrain train``
+    would do with the same flags."""
+    from moetrain.config import load_job_config
+    from moetrain.train.from_plan import SCHEDULE_NAMES
+
+    sets = []
+    pp = getattr(args, "pp", None) or 1
+    if pp > 1:
+        sets.append(f"parallel.pp={pp}")
+        if getattr(args, "vpp", None):
+            sets.append(f"parallel.vpp={args.vpp}")
+        if getattr(args, "schedule", None):
+            sets.append(f'parallel.pp_schedule="{SCHEDULE_NAMES.get(args.schedule, args.schedule)}"')
+        if getattr(args, "pp_layout", None):
+            sets.append(f'parallel.pp_layout="{args.pp_layout}"')
+    job = load_job_config(None, sets)
+    cfg = shape.config
+    layout = job.parallel.pp_layout
+    if pp > 1 and layout is None and hasattr(cfg, "routing"):
+        from moetrain.parallel.pipeline import default_layout
+        layout = default_layout(cfg, job.parallel.n_stages)  # the split the trainer makes
+    stage = n // pp
+    ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
+    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
+                      job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
+                      schedule=job.parallel.pp_schedule, pp_layout=layout)
+    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
