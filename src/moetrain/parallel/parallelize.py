@@ -151,7 +151,7 @@ def materialize(model: Transformer, ctx: ParallelContext, seed: int = 0) -> Tran
     seeded: the same values as :func:`~moetrain.model.transformer.build_model` in one process). Returns ``model``."""
     model.to_empty(device=ctx.device)
     init_weights(model, seed=seed, shard_box=shard_box)
-    model._rope_cache.clear()
+    model.rope.clear()
     return model
 
 

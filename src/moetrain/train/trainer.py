@@ -24,7 +24,6 @@ from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.config import TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
-from moetrain.parallel.config import V_SCHEDULES
 from moetrain.parallel.hang import hang_monitor, in_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
@@ -35,7 +34,8 @@ from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, pea
 from moetrain.train.optim import build_optimizers, lr_at, set_lr
 from moetrain.train.resume import data_fingerprint
 from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure, resume_command, stop_line
-from moetrain.train.step import ModelParts, Objective, train_step
+from moetrain.train.runners import ModelParts, Objective, build_runner
+from moetrain.train.step import train_step
 
 
 class NonFiniteLossError(RuntimeError):
@@ -79,56 +79,18 @@ def keep_tokenizer(prep: PreparedData, out_dir: str) -> Path:
 
 def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
              amp: torch.dtype | None) -> float:
-    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean).
-
-    Pipelined, the validation micro-batches run through the schedule's forward in groups of ``train.grad_accum``
-    (the last group padded with sequences whose labels are all ignored) and only the last stage counts."""
-    from moetrain.model.transformer import IGNORE_INDEX
-
+    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean),
+    run by the parts' step runner (pipelined: only the last stage counts)."""
     model.train(False)
     dispatch_stats = [m.dispatcher.stats for _, m in model.moe_layers()]
     for st in dispatch_stats:  # validation's all-to-alls are not the training step's
         st.recording = False
-    total = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
                iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size, ctx.data_rank,
                                  ctx.stage_size, job.train.eval_batches)]
     with torch.no_grad(), named_phase("evaluation forward", ctx.distributed), \
             torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
-        if model.schedule is None:
-            for x, y in batches:
-                out = model.parts[0](x, y)
-                total += torch.stack([out.lm_loss_sum.double(), out.n_loss_tokens.double()])
-        else:
-            n = job.train.grad_accum
-            while len(batches) % n:
-                x, y = batches[-1]
-                batches.append((torch.zeros_like(x), torch.full_like(y, IGNORE_INDEX)))
-            obj = model.objective
-            # torch's zero-bubble V schedules cannot run forward-only (their eval() asserts on the split backward
-            # actions), so there the step runs as a training step with a zero loss and no balance term, and the
-            # (zero) gradients are dropped.
-            v = ctx.pcfg.pp_schedule in V_SCHEDULES
-            for g in range(0, len(batches), n):
-                x = torch.cat([b[0] for b in batches[g:g + n]])
-                y = torch.cat([b[1] for b in batches[g:g + n]])
-                obj.start(torch.ones((), device=ctx.device), torch.ones(job.model.mtp_depth, device=ctx.device))
-                kw = {"tokens_BL": x, "labels_BL": y, **({"target": y} if model.last else {})}
-                if v:
-                    for p in model.parts:
-                        p.balance_scale = 0.0
-                    obj.weight = 0.0
-                    try:
-                        with torch.enable_grad():
-                            model.schedule.step(return_outputs=False, **kw)
-                    finally:
-                        obj.weight = 1.0
-                        for p in model.parts:
-                            p.zero_grad(set_to_none=True)
-                else:
-                    model.schedule.eval(**kw)
-                if model.last:
-                    total += torch.stack([obj.lm_sum, (y != IGNORE_INDEX).sum().double()])
+        total = model.runner.eval_sums(batches)
     if ctx.distributed:
         dist.all_reduce(total)
     model.train(True)
@@ -195,21 +157,20 @@ def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype |
 
 def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
                       init_from: str | None = None) -> ModelParts:
-    """What this rank trains. Without pipelining: the whole model (:func:`build_sharded_model`). With
-    ``parallel.pp > 1``: the model is built on meta and split into this rank's stages
-    (``moetrain.parallel.pipeline``), each parallelized, materialised and initialised by name like a whole model,
-    then driven by the configured ``torch.distributed.pipelining`` schedule.
+    """What this rank trains: the model is built on meta and split into this rank's stages
+    (``moetrain.parallel.pipeline``; without pipelining one stage holds the whole model), each parallelized,
+    materialised and initialised by name like a whole model, then driven by the job's step runner
+    (``moetrain.train.runners``: sequential, paired EP overlap, or the configured ``torch.distributed.pipelining``
+    schedule).
 
     Raises:
         ConfigError: a layout or schedule that does not fit the model, or an ``init_from`` checkpoint without a
             stage's tensors.
     """
     from moetrain.model.config import ConfigError
-    from moetrain.parallel.pipeline import build_schedule, build_stages, embedding_groups
+    from moetrain.parallel.pipeline import build_stages, embedding_groups
 
     pcfg = ctx.pcfg
-    if pcfg.pp == 1:
-        return ModelParts([build_sharded_model(job, ctx, amp, init_from)])
     model = build_model(job.model, device="meta")
     _apply_precision(model, job)
     parts = build_stages(model, pcfg, ctx.pp_rank)
@@ -219,17 +180,20 @@ def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | N
         parallelize(part, ctx, param_dtype=param_dtype)
         materialize(part, ctx, seed=job.train.seed)
         if init_from:
-            # the checkpoint holds every stage: this stage reads its own tensors (and boxes), and must find them all
-            res = load_hf_checkpoint(part, init_from, strict=False, mtp_optional=True)
+            # the checkpoint holds every stage: this stage reads its own tensors (and boxes), and must find them all;
+            # a stage holding the whole model must match it exactly
+            whole = part.spec.embed and part.spec.head
+            res = load_hf_checkpoint(part, init_from, strict=whole, mtp_optional=True)
             if res.missing:
                 raise ConfigError(f"{init_from} lacks {len(res.missing)} tensor(s) of pipeline stage "
                                   f"{part.spec.index}, e.g. {res.missing[:3]}")
     objective = Objective(job.model)
-    schedule, stages = build_schedule(parts, ctx, job.train.grad_accum, job.train.micro_batch_size,
-                                      job.data.seq_len, objective)
-    sync = job.model.mtp_depth > 0
+    runner = build_runner(parts, objective, ctx, job.train.grad_accum, job.train.micro_batch_size,
+                          job.data.seq_len)
+    # an embedding copy exists when the last stage, holding the MTP modules, is not the first
+    sync = job.model.mtp_depth > 0 and pcfg.n_stages > 1
     group = embedding_groups(ctx) if sync else None
-    return ModelParts(parts, schedule, stages, objective, group, sync)
+    return ModelParts(parts, objective, runner, group, sync)
 
 
 def _profiled_step(path: Path, ctx: ParallelContext, step: Any) -> Any:
