@@ -18,7 +18,7 @@ forward and backward passes, everything else is the same for all three.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -58,7 +58,6 @@ class StepResult:
     dropped_tokens: int = 0
     pipeline_s: float = 0.0
     bubble_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -114,10 +113,10 @@ def update_expert_biases(layers: list[tuple[int, MoE]], tokens_per_expert_ME: to
             moe.gate.expert_bias.add_(delta[m].to(moe.gate.expert_bias.device))
 
 
-def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-               cfg: ModelConfig, ctx: ParallelContext, max_grad_norm: float = 1.0,
-               autocast_dtype: torch.dtype | None = None, bias_update_rate: float | None = None,
-               events: list | None = None) -> StepResult:
+def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
+               micro_batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig, ctx: ParallelContext,
+               max_grad_norm: float = 1.0, autocast_dtype: torch.dtype | None = None,
+               bias_update_rate: float | None = None, events: list | None = None) -> StepResult:
     """Forward/backward every micro-batch (through the parts' step runner), then clip, step the optimizer and
     update the expert biases.
 
