@@ -140,9 +140,11 @@ def _apply_precision(model: Transformer, job: JobConfig) -> None:
 
 def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
                         init_from: str | None = None) -> Transformer:
-    """The model of ``job`` on ``ctx``'s layout at any size: built on the meta device, parallelized, then only this
-    rank's shards are allocated and initialised (name-seeded, so the weights equal a single process's), and, with
-    ``init_from`` (a HF checkpoint directory), overwritten from it, each rank reading only its own boxes."""
+    """The whole single-device reference :class:`~moetrain.model.transformer.Transformer` of ``job`` on ``ctx``'s
+    layout at any size (logits, export; the trainer runs :func:`build_model_parts`): built on the meta device,
+    parallelized, then only this rank's shards are allocated and initialised (name-seeded, so the weights equal a
+    single process's), and, with ``init_from`` (a HF checkpoint directory), overwritten from it, each rank reading
+    only its own boxes."""
     model = build_model(job.model, device="meta")
     _apply_precision(model, job)
     parallelize(model, ctx, param_dtype=amp if ctx.device.type == "cuda" else None)
