@@ -74,7 +74,7 @@ def _force_routing_to_first_experts(model, cfg) -> None:
 
 
 class _OneMoE(torch.nn.Module):
-    """One MoE layer as a model: parallelize() expects moe_layers() and blocks()."""
+    """One MoE layer as a model: parallelize() expects moe_layers(), moe_indices() and blocks()."""
 
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
@@ -82,6 +82,9 @@ class _OneMoE(torch.nn.Module):
 
     def moe_layers(self):
         return [self.layer]
+
+    def moe_indices(self):
+        return [0]
 
     def blocks(self):
         return []

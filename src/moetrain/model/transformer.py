@@ -244,6 +244,10 @@ class Transformer(nn.Module):
         mods = [b.mlp for b in self.layers if isinstance(b.mlp, MoE)]
         return mods + [m.block.mlp for m in self.mtp]
 
+    def moe_indices(self) -> list[int]:
+        """Global MoE-layer index of each entry of :meth:`moe_layers` (the whole model: 0, 1, ...)."""
+        return list(range(len(self.moe_layers())))
+
     def blocks(self) -> list[Block]:
         """Every transformer block (main layers, then MTP blocks)."""
         return list(self.layers) + [m.block for m in self.mtp]

@@ -56,8 +56,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     if kind == "local" and pcfg.ep > 1:
         raise ValueError(f"dispatcher 'local' cannot move tokens between EP={pcfg.ep} ranks; use 'alltoall'")
     # 1. expert parallelism
-    moe_index = model.moe_indices() if hasattr(model, "moe_indices") else range(len(model.moe_layers()))
-    for m_idx, moe in zip(moe_index, model.moe_layers()):
+    for m_idx, moe in zip(model.moe_indices(), model.moe_layers()):
         E = moe.gate.n_experts
         if kind == "alltoall":
             if not ctx.distributed:
