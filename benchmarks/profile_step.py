@@ -34,14 +34,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from moetrain.model.transformer import build_model
         from moetrain.parallel.config import ParallelConfig
         from moetrain.parallel.mesh import init_parallel
+        from moetrain.parallel.pipeline import build_stages
+        from moetrain.train.runners import single_stage_parts
         from moetrain.train.step import train_step
         model = build_model(cfg, device=s.device, seed=0)
         ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device=s.device)
         opt = optim.build_optimizer(model, lr=s.lr)
+        parts = single_stage_parts(build_stages(model, ctx.pcfg, 0)[0], ctx)  # the trainer's one stage at PP = 1
         amp = torch.bfloat16 if s.device == "cuda" else None
 
         def step():
-            train_step(model, opt, [(x, y)], cfg, ctx, autocast_dtype=amp)
+            train_step(parts, opt, [(x, y)], cfg, ctx, autocast_dtype=amp)
     elif system == "torchtitan":
         import torch.nn.functional as F
 

@@ -24,7 +24,7 @@ instrumented driver (this file's ``_driver`` mode, 2 ranks started with torchrun
 functions the trainer calls, in the same order, and resets the kernel's peak-RSS counter between phases
 (``echo 5 > /proc/self/clear_refs`` sets VmHWM back to the current RSS):
 
-    launch A, (DP, EP):   build (build_sharded_model + build_optimizer) | 2 x train_step | save_checkpoint
+    launch A, (DP, EP):   build (build_model_parts + build_optimizer) | 2 x train_step | save_checkpoint
     launch B, other EP:   build | load_checkpoint (the checkpoint of A) | 1 x train_step
 
 The rank's share: its local parameter bytes P (sum of local shard numel x 4, fp32), and its training state
@@ -279,7 +279,7 @@ def driver_main(a: argparse.Namespace) -> int:
     from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from moetrain.train.optim import build_optimizer
     from moetrain.train.step import train_step
-    from moetrain.train.trainer import build_sharded_model
+    from moetrain.train.trainer import build_model_parts
 
     job = load_job_config(None, job_sets(a.preset, a.experts, a.ep))
     ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
@@ -311,7 +311,8 @@ def driver_main(a: argparse.Namespace) -> int:
         return out
 
     def build():
-        held["model"] = build_sharded_model(job, ctx, None)
+        held["parts"] = build_model_parts(job, ctx, None)
+        held["model"] = held["parts"].parts[0]  # PP = 1: the whole model is the one stage
         held["opt"] = build_optimizer(held["model"], tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
 
     def steps(n: int):
@@ -319,7 +320,7 @@ def driver_main(a: argparse.Namespace) -> int:
         for _ in range(n):
             data = torch.randint(0, cfg.vocab_size, (tc.micro_batch_size, job.data.seq_len + 1), generator=g)
             x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-            losses.append(train_step(held["model"], held["opt"], [(x, y)], cfg, ctx, tc.max_grad_norm, None).loss)
+            losses.append(train_step(held["parts"], held["opt"], [(x, y)], cfg, ctx, tc.max_grad_norm, None).loss)
         return losses
 
     try:

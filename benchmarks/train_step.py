@@ -71,6 +71,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from moetrain.model.transformer import build_model
         from moetrain.parallel.config import ParallelConfig
         from moetrain.parallel.mesh import init_parallel
+        from moetrain.parallel.pipeline import build_stages
+        from moetrain.train.runners import single_stage_parts
         from moetrain.train.step import train_step
         probe.start()
         model = build_model(cfg, device=dev, seed=0)
@@ -79,10 +81,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 m.experts.use_grouped_mm = False
         ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device=s.device)
         opt = optim.build_optimizer(model, lr=s.lr)  # moetrain's own optimizer builder (patched or not)
+        parts = single_stage_parts(build_stages(model, ctx.pcfg, 0)[0], ctx)  # the trainer's one stage at PP = 1
         amp = torch.bfloat16 if (s.device == "cuda" and s.dtype == "bf16") else None
 
         def step() -> float:
-            return train_step(model, opt, [(x, y)], cfg, ctx, max_grad_norm=1.0, autocast_dtype=amp).lm_loss
+            return train_step(parts, opt, [(x, y)], cfg, ctx, max_grad_norm=1.0, autocast_dtype=amp).lm_loss
     elif system.startswith("hf["):
         if spec.get("in_memory"):
             from moetrain.model.transformer import build_model

@@ -99,18 +99,21 @@ def check_step_syncs(ctx, dev: torch.device) -> None:
     from moetrain.model.config import tiny
     from moetrain.model.transformer import build_model
     from moetrain.parallel.parallelize import parallelize
+    from moetrain.parallel.pipeline import build_stages
     from moetrain.train.optim import build_optimizer
+    from moetrain.train.runners import single_stage_parts
     from moetrain.train.step import train_step
 
     cfg = tiny().replace(vocab_size=512, max_seq_len=128)
-    model = build_model(cfg, device=dev, seed=0)
+    stage = build_stages(build_model(cfg, device=dev, seed=0), ctx.pcfg, 0)[0]  # the trainer's one stage at PP = 1
     bf16 = torch.bfloat16 if dev.type == "cuda" else None
-    parallelize(model, ctx, param_dtype=bf16)
-    opt = build_optimizer(model, lr=1e-3)
+    parallelize(stage, ctx, param_dtype=bf16)
+    opt = build_optimizer(stage, lr=1e-3)
+    parts = single_stage_parts(stage, ctx)
     g = torch.Generator().manual_seed(0)
     mbs = [(lambda t: (t[:, :-1].to(dev), t[:, 1:].to(dev)))(torch.randint(0, 512, (4, 65), generator=g))
            for _ in range(2)]
-    train_step(model, opt, mbs, cfg, ctx, autocast_dtype=bf16)  # warm-up
+    train_step(parts, opt, mbs, cfg, ctx, autocast_dtype=bf16)  # warm-up
     if dev.type != "cuda":
         report("host syncs per step", True, "skipped on CPU")
         return
@@ -119,14 +122,14 @@ def check_step_syncs(ctx, dev: torch.device) -> None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            r = train_step(model, opt, mbs, cfg, ctx, autocast_dtype=bf16)
+            r = train_step(parts, opt, mbs, cfg, ctx, autocast_dtype=bf16)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
-    n_moe = len(model.moe_layers())
+    n_moe = len(stage.moe_layers())
     report("host syncs per step", sum(sites.values()) <= 2 * n_moe + 6,
            f"{sum(sites.values())} for {n_moe} MoE layers x 2 micro-batches, loss {r.loss:.3f}: {dict(sites)}")
-    for m in model.moe_layers():
+    for m in stage.moe_layers():
         m.dispatcher.stats.reset_timers()
 
 

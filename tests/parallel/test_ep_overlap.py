@@ -10,7 +10,8 @@ import torch
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
-from moetrain.parallel.overlap import LEAD_STEPS, one_f_one_b_order, paired_fraction
+from moetrain.parallel.overlap import LEAD_STEPS
+from moetrain.parallel.schedules import one_f_one_b_order, paired_fraction
 
 from .harness import ok_values, run_ranks, run_single
 from .overlap_workers import overlap_events_run
@@ -176,7 +177,7 @@ def test_merged_1f1b_lowers_without_a_hang(pp, m):
     send/recv lowering (which simulates every rank and raises on a schedule that cannot progress) accepts it, and
     every compute action is still there once."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B, _add_send_recv
-    from moetrain.parallel.overlap import pair_actions
+    from moetrain.parallel.schedules import pair_actions
 
     order = one_f_one_b_order(pp, m)
     merged = {r: pair_actions(a) for r, a in order.items()}
@@ -212,7 +213,7 @@ def test_paired_fraction_counts_the_pairs_of_the_schedule_the_trainer_runs():
 def test_paired_fraction_past_the_counting_size_equals_the_full_count(schedule, pp, vpp, m):
     """Past 4 PP x stages per rank micro-batches the unpaired passes are counted at that size: the same as counting
     the whole order (warm-up and cool-down no longer grow)."""
-    from moetrain.parallel.overlap import _unpaired_passes
+    from moetrain.parallel.schedules import _unpaired_passes
     n_local = {"1f1b": 1, "dualpipev": 2}.get(schedule, vpp)
     full = [1.0 - u / (2 * n_local * m) for u in _unpaired_passes(schedule, pp, n_local, m)]
     assert paired_fraction(schedule, pp, vpp, m) == pytest.approx(full, abs=1e-12)

@@ -9,7 +9,8 @@ import torch
 
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.pipeline import bubble_formula, default_layout, local_stages, stage_specs
+from moetrain.parallel.pipeline import default_layout, local_stages, stage_specs
+from moetrain.parallel.schedules import bubble_formula
 
 from .harness import ok_values, run_ranks, run_single
 from .pipeline_workers import pipeline_train_run

@@ -12,7 +12,9 @@ from moetrain.model.transformer import build_model
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import check_same_config, init_parallel
 from moetrain.parallel.parallelize import full_state_dict, parallelize
+from moetrain.parallel.pipeline import build_stages
 from moetrain.train.optim import build_optimizer
+from moetrain.train.runners import single_stage_parts
 from moetrain.train.step import train_step
 
 GLOBAL_SEQS = 8
@@ -40,20 +42,27 @@ def train_run(pcfg_kwargs: dict, steps: int = 3, accum: int = 2, model_overrides
     model = build_model(cfg, seed=0)
     if force_one_rank:
         _force_routing_to_first_experts(model, cfg)
-    parallelize(model, ctx)
+    model = whole_model_stage(model, ctx)
     opt = build_optimizer(model, lr=3e-3, eps=adam_eps)
+    mp = single_stage_parts(model, ctx)
     per_rank = GLOBAL_SEQS // ctx.world_size
     losses, stats = [], []
     for step in range(steps):
         data = global_batch(step, cfg.vocab_size)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
         mbs = [(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(accum)]
-        r = train_step(model, opt, mbs, cfg, ctx)
+        r = train_step(mp, opt, mbs, cfg, ctx)
         losses.append(r.loss)
         stats.append({"dropped": r.dropped_tokens, "loads": r.tokens_per_expert_ME})
     comm = [{"a2a": m.dispatcher.stats.a2a_seconds, "exposed": m.dispatcher.stats.exposed_seconds,
              "calls": m.dispatcher.stats.calls, "rows_sent": m.dispatcher.stats.rows_sent,
              "remote_rows_sent": m.dispatcher.stats.remote_rows_sent} for m in model.moe_layers()]
     return {"losses": losses, "params": full_state_dict(model, ctx), "stats": stats, "comm": comm}
+
+
+def whole_model_stage(model, ctx):
+    """``model`` as the one pipeline stage the trainer runs without pipelining, parallelized on ``ctx``."""
+    stage = build_stages(model, ctx.pcfg, ctx.pp_rank)[0]
+    return parallelize(stage, ctx)
 
 
 def _force_routing_to_first_experts(model, cfg) -> None:
@@ -65,7 +74,7 @@ def _force_routing_to_first_experts(model, cfg) -> None:
 
 
 class _OneMoE(torch.nn.Module):
-    """One MoE layer as a model: parallelize() expects moe_layers() and blocks()."""
+    """One MoE layer as a model: parallelize() expects moe_layers(), moe_indices() and blocks()."""
 
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
@@ -73,6 +82,9 @@ class _OneMoE(torch.nn.Module):
 
     def moe_layers(self):
         return [self.layer]
+
+    def moe_indices(self):
+        return [0]
 
     def blocks(self):
         return []
@@ -290,13 +302,12 @@ def stall_in_dense_layer_run() -> str:
 
     cfg = tiny_test_config()
     ctx = init_parallel(ParallelConfig(ep=1, timeout_s=3), cfg.n_routed_experts)
-    model = build_model(cfg, seed=0)
-    parallelize(model, ctx)
+    model = whole_model_stage(build_model(cfg, seed=0), ctx)
     if ctx.rank == 1:
-        model.layers[0].mlp.register_forward_pre_hook(lambda *_: time.sleep(10))
+        model.layers["0"].mlp.register_forward_pre_hook(lambda *_: time.sleep(10))
     opt = build_optimizer(model, lr=1e-3)
     data = global_batch(0, cfg.vocab_size)[ctx.rank * 4:(ctx.rank + 1) * 4]
-    train_step(model, opt, [(data[:, :-1], data[:, 1:])], cfg, ctx)
+    train_step(single_stage_parts(model, ctx), opt, [(data[:, :-1], data[:, 1:])], cfg, ctx)
     return "no error"
 
 
@@ -327,12 +338,10 @@ def fsdp_outputs_run(as_stage: bool) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.utils._pytree import tree_flatten
 
-    from moetrain.model.stage import TransformerStage, whole_model_spec
-
     cfg = tiny_test_config()
     ctx = init_parallel(ParallelConfig(ep=2), cfg.n_routed_experts)
     model = build_model(cfg, seed=0)
-    part = TransformerStage(model, whole_model_spec(cfg)) if as_stage else model
+    part = build_stages(model, ctx.pcfg, ctx.pp_rank)[0] if as_stage else model
     parallelize(part, ctx)
     checked, missed = [], []
 

@@ -13,8 +13,10 @@ import torch.distributed.checkpoint as dcp
 from moetrain.model import build_model, get_preset
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import init_parallel
+from moetrain.parallel.pipeline import build_stages
 from moetrain.train.checkpoint import _flat_state, load_checkpoint
 from moetrain.train.optim import build_optimizer
+from moetrain.train.runners import single_stage_parts
 from moetrain.train.step import train_step
 
 
@@ -52,7 +54,8 @@ def test_legacy_expert_keys_load_into_stacked_parameter(tmp_path, split_halves):
     opt = build_optimizer(src, lr=1e-3)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=g)
-    train_step(src, opt, [(tokens[:, :-1], tokens[:, 1:])], cfg, ctx)
+    train_step(single_stage_parts(build_stages(src, ctx.pcfg, 0)[0], ctx), opt, [(tokens[:, :-1], tokens[:, 1:])],
+               cfg, ctx)
     flat = _flat_state(src, opt)[0]
     legacy = _legacy(flat, split_halves)
     assert any(".w1_EFD." in k for k in legacy) == split_halves

@@ -45,7 +45,8 @@ from torch import nn
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE, MoEStats
 from moetrain.model.phases import carry
-from moetrain.model.transformer import IGNORE_INDEX, Block, Transformer, ce_sum, mtp_targets
+from moetrain.model.transformer import (Block, RopeCache, Transformer, ce_sum, loss_mask, mtp_ce_sums,
+                                       run_layers)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class TransformerStage(nn.Module):
         moe_idx, mtp0 = moe_index_of(cfg)
         self._moe_index = {i: moe_idx[i] for i in spec.layers if i in moe_idx}
         self._mtp_moe_index = {k: mtp0 + k for k in spec.mtp}
-        self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope = RopeCache(cfg)
         self.balance_scale = 0.0
         self.act_dtype = torch.float32
         self.stats = StageStats()
@@ -180,18 +181,23 @@ class TransformerStage(nn.Module):
         """True when this stage's ``embed_tokens`` is a copy whose gradient must be summed with the first stage's."""
         return self.spec.needs_embedding_copy
 
-    def _rope(self, L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        from moetrain.model.layers import rope_cos_sin
-        key = (L, str(device))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(self.cfg, L, device)
-        return self._rope_cache[key]
+    def start_step(self, balance_scale: float) -> None:
+        """Begin an optimizer step (or an evaluation): fresh :class:`StageStats`, and each MoE layer's balance
+        loss weighted ``balance_scale`` (alpha / N_sequences of the step; 0 attaches nothing)."""
+        self.stats = StageStats()
+        self.balance_scale = balance_scale
 
     def _account(self, moe_index: int, s: MoEStats, h: torch.Tensor) -> torch.Tensor:
         self.stats.add(moe_index, s)
         if self.balance_scale and torch.is_grad_enabled() and s.balance_loss_sum.requires_grad:
             h = AttachLoss.apply(h, s.balance_loss_sum * self.balance_scale)
         return h
+
+    def _account_layer(self, layer: int, s: MoEStats, h: torch.Tensor) -> torch.Tensor:
+        return self._account(self._moe_index[layer], s, h)
+
+    def _account_mtp(self, depth: int, s: MoEStats, h: torch.Tensor) -> torch.Tensor:
+        return self._account(self._mtp_moe_index[depth], s, h)
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, *hidden: torch.Tensor, tokens_BL: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
@@ -212,16 +218,13 @@ class TransformerStage(nn.Module):
         if self.spec.embed != (len(hidden) == 0) or len(hidden) > 1:
             raise TypeError(f"stage {self.spec.index} takes {'no' if self.spec.embed else 'one'} hidden state "
                             f"positionally (and tokens_BL=, labels_BL=), got {len(hidden)}")
+        rope = self.rope(tokens_BL.shape[1], tokens_BL.device)
         h = self.embed_tokens(tokens_BL) if self.spec.embed else hidden[0]
-        L = tokens_BL.shape[1]
-        if L > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self._rope(L, tokens_BL.device)
-        valid = labels_BL != IGNORE_INDEX
-        for key, block in self.layers.items():
-            h, s = block(h, cos, sin, valid)
-            if s is not None:
-                h = self._account(self._moe_index[int(key)], s, h)
+        # A stage holding the embedding and the MTP modules (the whole model) reads its embedding again after every
+        # layer's all-to-alls (moetrain.model.phases); a last stage without it embeds with its copy there.
+        emb = carry(h) if self.spec.embed and self.mtp else None
+        layers = ((i, self.layers[str(i)]) for i in self.spec.layers)
+        h = run_layers(layers, h, rope, loss_mask(labels_BL), self._account_layer)
         if not self.spec.head:
             # No view leaves a stage (FSDP: an in-place op on a view output would skip its backward hook): the
             # schedule hands in micro-batches as views of the step's batch, and AttachLoss returns its input.
@@ -230,22 +233,11 @@ class TransformerStage(nn.Module):
         # Each sum (and the embedding) is read after the MTP modules' all-to-alls (moetrain.model.phases).
         sums = [carry(ce_sum(self.lm_head, self.norm, h, labels_BL))]
         if self.mtp:
-            emb = carry(self.embed_tokens(tokens_BL))
-            h_k = h
-            for key, module in self.mtp.items():
-                k = int(key) + 1
-                emb_k, labels_k = mtp_targets(emb(), labels_BL, k)
-                h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
-                if s is not None:
-                    h_k = self._account(self._mtp_moe_index[k - 1], s, h_k)
-                sums.append(carry(ce_sum(self.lm_head, module.norm, h_k, labels_k)))
+            if emb is None:
+                emb = carry(self.embed_tokens(tokens_BL))
+            mtp = ((int(key), module) for key, module in self.mtp.items())
+            sums += [get for get, _ in mtp_ce_sums(mtp, h, emb, labels_BL, rope, self.lm_head, self._account_mtp)]
         return torch.stack([get() for get in sums])
 
 
-def whole_model_spec(cfg: ModelConfig) -> StageSpec:
-    """The single stage of an unpipelined run: everything."""
-    return StageSpec(0, 1, tuple(range(cfg.n_layers)), tuple(range(cfg.mtp_depth)), embed=True, head=True)
-
-
-__all__ = ["AttachLoss", "StageSpec", "StageStats", "TransformerStage", "moe_index_of",
-           "whole_model_spec"]
+__all__ = ["AttachLoss", "StageSpec", "StageStats", "TransformerStage", "moe_index_of"]

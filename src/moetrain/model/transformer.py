@@ -7,7 +7,7 @@ Shape legend: B batch, L sequence, D model dim, V vocab, E routed experts, M MoE
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -140,8 +140,86 @@ def mtp_targets(emb_BLD: torch.Tensor, labels_BL: torch.Tensor, k: int) -> tuple
     return emb_k, labels_k
 
 
+def loss_mask(labels_BL: torch.Tensor) -> torch.Tensor:
+    """The padding mask (B, L) bool: True where a position has a label (not IGNORE_INDEX). Expert loads and the
+    balance loss count only these tokens: a padded position is computed but not counted (DeepSeek-V3's statistics
+    are over a sequence's tokens)."""
+    return labels_BL != IGNORE_INDEX
+
+
+class RopeCache:
+    """The RoPE cos/sin tables (``rope_cos_sin``) of one model per (sequence length, device), computed once.
+
+    Calling it checks the sequence length: ``ValueError`` naming ``max_seq_len`` when L exceeds it."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self._tables: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if L > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
+        key = (L, str(device))
+        if key not in self._tables:
+            self._tables[key] = rope_cos_sin(self.cfg, L, device)
+        return self._tables[key]
+
+    def clear(self) -> None:
+        """Forget the tables (after the model moved to another device, e.g. materialised from meta)."""
+        self._tables.clear()
+
+
+#: What a forward does with an MoE layer's statistics: ``(index, stats, h) -> h``. ``index`` is the layer's index
+#: (main layers) or the MTP depth (0-based); the returned hidden state continues the forward, so a pipeline stage
+#: can attach the layer's balance loss to it (``moetrain.model.stage.AttachLoss``).
+MoEAccount = Callable[[int, MoEStats, torch.Tensor], torch.Tensor]
+
+
+def run_layers(layers: Iterable[tuple[int, Block]], h_BLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               valid_BL: torch.Tensor | None, account: MoEAccount) -> torch.Tensor:
+    """The transformer layers ``(index, block)`` in order over h (B, L, D); each MoE layer's statistics go to
+    ``account``. Returns the last hidden state."""
+    cos, sin = rope
+    for i, block in layers:
+        h_BLD, s = block(h_BLD, cos, sin, valid_BL)
+        if s is not None:
+            h_BLD = account(i, s, h_BLD)
+    return h_BLD
+
+
+def mtp_ce_sums(mtp: Iterable[tuple[int, MTPModule]], h_BLD: torch.Tensor, emb: Callable[[], torch.Tensor],
+                  labels_BL: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lm_head: nn.Module,
+                  account: MoEAccount) -> list[tuple[Callable[[], torch.Tensor], torch.Tensor]]:
+    """The multi-token-prediction modules ``(depth d, module)`` in order, chained from the main model's last hidden
+    state (DeepSeek-V3 report, sec. 2.2): depth k = d + 1 predicts token i+k+1 from h^{k-1}_i and the embedding of
+    token i+k (:func:`mtp_targets`), through the shared output head and the module's own norm.
+
+    Args:
+        emb: returns the (B, L, D) embedding of the tokens (a :func:`~moetrain.model.phases.carry` getter: it is
+            read after the main layers' all-to-alls).
+        account: receives each MTP block's MoE statistics, indexed by depth d.
+
+    Returns:
+        Per depth: a getter of its CE sum over the valid positions (fp32 scalar; read it after the later depths'
+        all-to-alls) and its (B, L) mask of positions with a target (the last k have none).
+    """
+    out = []
+    cos, sin = rope
+    for d, module in mtp:
+        emb_k, labels_k = mtp_targets(emb(), labels_BL, d + 1)
+        valid_k = loss_mask(labels_k)
+        h_BLD, s = module(h_BLD, emb_k, cos, sin, valid_k)
+        if s is not None:
+            h_BLD = account(d, s, h_BLD)
+        out.append((carry(ce_sum(lm_head, module.norm, h_BLD, labels_k)), valid_k))
+    return out
+
+
 class Transformer(nn.Module):
-    """DeepSeek-V3-architecture causal LM with optional MTP modules.
+    """DeepSeek-V3-architecture causal LM with optional MTP modules: the single-device reference (HF parity,
+    export, logits). The trainer runs it as :class:`~moetrain.model.stage.TransformerStage` parts sharing its
+    modules; both forwards are built from the same pieces (:class:`RopeCache`, :func:`loss_mask`,
+    :func:`run_layers`, :func:`mtp_ce_sums`).
 
     forward(tokens_BL, labels_BL=None, return_logits=False) -> ModelOutput. ``labels_BL`` are the next tokens
     (IGNORE_INDEX where no loss is wanted); without labels only logits are produced.
@@ -158,7 +236,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.mtp_depth)])
-        self._rope_cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope = RopeCache(cfg)
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:
@@ -166,11 +244,9 @@ class Transformer(nn.Module):
         mods = [b.mlp for b in self.layers if isinstance(b.mlp, MoE)]
         return mods + [m.block.mlp for m in self.mtp]
 
-    def _rope(self, L: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (L, str(device))
-        if key not in self._rope_cache:
-            self._rope_cache[key] = rope_cos_sin(self.cfg, L, device)
-        return self._rope_cache[key]
+    def moe_indices(self) -> list[int]:
+        """Global MoE-layer index of each entry of :meth:`moe_layers` (the whole model: 0, 1, ...)."""
+        return list(range(len(self.moe_layers())))
 
     def blocks(self) -> list[Block]:
         """Every transformer block (main layers, then MTP blocks)."""
@@ -180,20 +256,16 @@ class Transformer(nn.Module):
     def forward(self, tokens_BL: torch.Tensor, labels_BL: torch.Tensor | None = None,
                 return_logits: bool = False) -> ModelOutput:
         B, L = tokens_BL.shape
-        if L > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {L} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self._rope(L, tokens_BL.device)
+        rope = self.rope(L, tokens_BL.device)
         emb_BLD = self.embed_tokens(tokens_BL)
-        h = emb_BLD
         emb_later = carry(emb_BLD)  # the MTP modules read it again, after every layer's all-to-alls
         stats: list[MoEStats] = []
-        # Expert loads and the balance loss count real tokens only: a position whose label is IGNORE_INDEX (padding)
-        # is computed but not counted (DeepSeek-V3's statistics are over a sequence's tokens).
-        valid = labels_BL != IGNORE_INDEX if labels_BL is not None else None
-        for block in self.layers:
-            h, s = block(h, cos, sin, valid)
-            if s is not None:
-                stats.append(s)
+
+        def account(_index: int, s: MoEStats, h: torch.Tensor) -> torch.Tensor:
+            stats.append(s)
+            return h
+        valid = loss_mask(labels_BL) if labels_BL is not None else None
+        h = run_layers(enumerate(self.layers), emb_BLD, rope, valid, account)
 
         zero = torch.zeros((), device=tokens_BL.device)
         logits = self.lm_head(self.norm(h)) if (return_logits or labels_BL is None) else None
@@ -206,43 +278,17 @@ class Transformer(nn.Module):
                                               ignore_index=IGNORE_INDEX, reduction="sum")
             else:
                 lm_loss_sum = ce_sum(self.lm_head, self.norm, h, labels_BL)
-            n_loss_tokens = (labels_BL != IGNORE_INDEX).sum()
+            n_loss_tokens = valid.sum()
             # Each sum is read after the later MTP modules' all-to-alls (moetrain.model.phases).
-            lm_later, mtp_later = carry(lm_loss_sum), []
-            h_k = h
-            for k, module in enumerate(self.mtp, start=1):
-                emb_k, labels_k = mtp_targets(emb_later(), labels_BL, k)
-                h_k, s = module(h_k, emb_k, cos, sin, labels_k != IGNORE_INDEX)
-                if s is not None:
-                    stats.append(s)
-                mtp_later.append(carry(ce_sum(self.lm_head, module.norm, h_k, labels_k)))
-                mtp_n_tokens.append((labels_k != IGNORE_INDEX).sum())
+            lm_later = carry(lm_loss_sum)
+            mtp = mtp_ce_sums(enumerate(self.mtp), h, emb_later, labels_BL, rope, self.lm_head, account)
             lm_loss_sum = lm_later()
-            mtp_loss_sums = [get() for get in mtp_later]
+            mtp_loss_sums = [get() for get, _ in mtp]
+            mtp_n_tokens = [valid_k.sum() for _, valid_k in mtp]
         balance = torch.stack([s.balance_loss_sum for s in stats]).sum() if stats else None
         return ModelOutput(logits_BLV=logits, lm_loss_sum=lm_loss_sum, n_loss_tokens=n_loss_tokens,
                            mtp_loss_sums=mtp_loss_sums, mtp_n_tokens=mtp_n_tokens, balance_loss_sum=balance,
                            n_sequences=B, moe_stats=stats)
-
-    # -- auxiliary-loss-free balancing ----------------------------------------------------------------------
-    @torch.no_grad()
-    def update_expert_biases(self, tokens_per_expert_ME: torch.Tensor, rate: float) -> None:
-        """bias_e += rate * sign(mean(load) - load_e) for every MoE layer (DeepSeek-V3 report, sec. 2.1.2).
-
-        Args:
-            tokens_per_expert_ME: (M, E) loads accumulated over the whole optimizer step -- and, under data
-                parallelism, summed over all ranks *before* this call so every rank applies the same update.
-            rate: gamma; 0 leaves the biases unchanged.
-        """
-        layers = self.moe_layers()
-        if tokens_per_expert_ME.shape[0] != len(layers):
-            raise ValueError(f"got loads for {tokens_per_expert_ME.shape[0]} MoE layers, model has {len(layers)}")
-        if rate == 0:
-            return
-        load = tokens_per_expert_ME.float()
-        delta = rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
-        for moe, d in zip(layers, delta):
-            moe.gate.expert_bias.add_(d.to(moe.gate.expert_bias.device))
 
 
 @torch.no_grad()

@@ -21,12 +21,13 @@ many calls, gradient reduction and resharding are switched off during the step a
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import torch
 
 from moetrain.model.phases import Tape
+from moetrain.parallel.schedules import pair_actions
+from moetrain.parallel.schedules import paired_fraction  # noqa: F401 - the planner's import (moetrain.plan.model)
 from moetrain.parallel.torch_compat import fsdp_param_groups
 
 
@@ -135,7 +136,8 @@ def run_paired(forward: Callable[[int], torch.Tensor], n_micro: int, device_type
 # tape and every backward drains its chunk's tape seeded with the gradients received from the next stage; the
 # custom function runs the forward with the backward's tape as its partner, so their phases interleave as at PP = 1.
 # DualPipeV's schedule has the OVERLAP_F_B actions already; for 1F1B and interleaved 1F1B (Megatron-Core's combined
-# 1F1B) each steady-state backward is merged with the forward that follows it on the rank (:func:`pair_actions`).
+# 1F1B) each steady-state backward is merged with the forward that follows it on the rank
+# (``moetrain.parallel.schedules.pair_actions``).
 
 def paired_stage(cls: type) -> type:
     """A ``PipelineStage`` subclass whose training forwards are recorded on a :class:`Tape` per micro-batch and whose
@@ -219,48 +221,12 @@ def paired_stage(cls: type) -> type:
     return Paired
 
 
-def pair_actions(actions: list) -> list:
-    """One rank's compute actions with every full backward merged with the forward that directly follows it into an
-    ``OVERLAP_F_B`` action (sub-actions: that forward, that backward); idle slots (None) dropped. Merging the
-    backward with the *following* forward keeps every dependency the lowering needs: the merged forward's input
-    was sent by a neighbour's earlier action, never by its own merged pair (the runtime's send/recv lowering
-    checks it, and raises on a schedule that could hang)."""
-    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, _Action
-    acts = [a for a in actions if a is not None]
-    out, i = [], 0
-    while i < len(acts):
-        a = acts[i]
-        if (a.computation_type == FULL_BACKWARD and i + 1 < len(acts)
-                and acts[i + 1].computation_type == FORWARD):
-            out.append(_Action(-1, OVERLAP_F_B, None, (acts[i + 1], a)))
-            i += 2
-        else:
-            out.append(a)
-            i += 1
-    return out
-
-
-def one_f_one_b_order(pp: int, n_microbatches: int) -> dict[int, list]:
-    """The 1F1B compute order as runtime actions (Narayanan et al., SC'21, sec. 2.2): rank r runs
-    min(pp - 1 - r, m) warm-up forwards, then alternates forward and backward, then drains the backwards. (torch's
-    ``Schedule1F1B`` runs this order on its own loop, which has no OVERLAP_F_B; its interleaved runtime with one
-    stage per rank would warm up 2 (pp - 1 - r) forwards.)"""
-    from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, _Action
-    m, order = n_microbatches, {}
-    for r in range(pp):
-        warm = min(pp - 1 - r, m)
-        acts = [_Action(r, FORWARD, i) for i in range(warm)]
-        for i in range(m - warm):
-            acts += [_Action(r, FORWARD, warm + i), _Action(r, FULL_BACKWARD, i)]
-        order[r] = acts + [_Action(r, FULL_BACKWARD, i) for i in range(m - warm, m)]
-    return order
-
-
 def pair_schedule(schedule: Any, order: dict[int, list] | None = None) -> None:
     """Make ``schedule`` (a ``torch.distributed.pipelining`` runtime schedule over :func:`paired_stage` stages) run
     its OVERLAP_F_B actions interleaved. DualPipeV has such actions; for interleaved 1F1B -- or ``order``, the
-    compute order to run instead (1F1B: :func:`one_f_one_b_order`) -- the steady state is merged first
-    (:func:`pair_actions`) and lowered again (sends, receives, FSDP unshard / reshard and gradient reduction)."""
+    compute order to run instead (1F1B: ``moetrain.parallel.schedules.one_f_one_b_order``) -- the steady state is
+    merged first (``pair_actions``) and lowered again (sends, receives, FSDP unshard / reshard and gradient
+    reduction)."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
     if order is not None or not isinstance(schedule, ScheduleDualPipeV):
         order = {r: pair_actions(a) for r, a in (order or schedule.pipeline_order).items()}
@@ -316,64 +282,3 @@ def _overlap_f_b(action: Any, ctx: Any) -> None:
     if b.stage_index - 1 in stages:
         stages[b.stage_index - 1].set_local_bwd_input(sb.get_local_bwd_output(b.microbatch_index),
                                                       b.microbatch_index)
-
-
-def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> list[float]:
-    """Per pipeline rank, the share of its forward and backward chunk passes that run inside an OVERLAP_F_B pair
-    under ``parallel.ep_overlap`` -- the passes whose all-to-alls have another chunk's compute to hide behind.
-
-    Counted on the compute order torch's schedule builds (the one the trainer runs; no processes needed), after
-    :func:`pair_actions` for 1F1B and interleaved 1F1B; PP = 1 pairs micro-batch i+1's forward with i's backward
-    (:func:`run_paired`): 2 (m - 1) of 2 m passes. ZB-V pairs nothing, nor does a schedule given fewer
-    micro-batches than it needs (the trainer refuses those). The unpaired passes are the warm-up and cool-down, whose
-    number stops growing with m: past 4 PP x stages per rank micro-batches they are counted at that size (the
-    planner asks for thousands of plans; tests check the two counts agree).
-
-    Args:
-        schedule: "1f1b", "interleaved-1f1b", "dualpipev" or "zbv" (``parallel.pp_schedule``).
-        pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
-        n_microbatches: micro-batches per step.
-    """
-    from moetrain.model.config import ConfigError
-    from moetrain.parallel.config import ParallelConfig
-    from moetrain.parallel.pipeline import check_microbatches
-
-    m = n_microbatches
-    if pp == 1:
-        return [(m - 1) / m if m > 1 else 0.0]
-    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == "interleaved-1f1b" else 1, pp_schedule=schedule)
-    try:
-        check_microbatches(pcfg, m)
-    except ConfigError:
-        return [0.0] * pp
-    if schedule == "zbv":
-        return [0.0] * pp
-    n_local = pcfg.stages_per_rank
-    cap = 4 * pp * n_local  # a multiple of pp: interleaved 1F1B's rounds keep their size
-    unpaired = _unpaired_passes(schedule, pp, n_local, min(m, cap))
-    return [1.0 - u / (2 * n_local * m) for u in unpaired]
-
-
-@lru_cache(maxsize=4096)
-def _unpaired_passes(schedule: str, pp: int, n_local: int, m: int) -> tuple[int, ...]:
-    """Per rank, the chunk passes (forwards and backwards) outside OVERLAP_F_B pairs in the trainer's order, with
-    ``n_local`` stages per rank."""
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV, ScheduleInterleaved1F1B
-    if schedule == "1f1b":
-        orders = one_f_one_b_order(pp, m)
-    elif schedule == "dualpipev":
-        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m)
-        orders = {r: ScheduleDualPipeV._calculate_single_rank_operations(ns, r) for r in range(pp)}  # torch's own
-    else:
-        rounds = max(1, m // pp)
-        ns = SimpleNamespace(pp_group_size=pp, _n_microbatches=m, n_local_stages=n_local, number_of_rounds=rounds,
-                             microbatches_per_round=m // rounds)
-        orders = {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(ns, r) for r in range(pp)}
-    out = []
-    for r in range(pp):
-        acts = orders[r] if schedule == "dualpipev" else pair_actions(orders[r])
-        paired = sum(2 for a in acts if a is not None and a.computation_type == OVERLAP_F_B)
-        out.append(2 * n_local * m - paired)
-    return tuple(out)

@@ -56,8 +56,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     if kind == "local" and pcfg.ep > 1:
         raise ValueError(f"dispatcher 'local' cannot move tokens between EP={pcfg.ep} ranks; use 'alltoall'")
     # 1. expert parallelism
-    moe_index = model.moe_indices() if hasattr(model, "moe_indices") else range(len(model.moe_layers()))
-    for m_idx, moe in zip(moe_index, model.moe_layers()):
+    for m_idx, moe in zip(model.moe_indices(), model.moe_layers()):
         E = moe.gate.n_experts
         if kind == "alltoall":
             if not ctx.distributed:
@@ -151,7 +150,7 @@ def materialize(model: Transformer, ctx: ParallelContext, seed: int = 0) -> Tran
     seeded: the same values as :func:`~moetrain.model.transformer.build_model` in one process). Returns ``model``."""
     model.to_empty(device=ctx.device)
     init_weights(model, seed=seed, shard_box=shard_box)
-    model._rope_cache.clear()
+    model.rope.clear()
     return model
 
 

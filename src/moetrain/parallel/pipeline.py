@@ -1,7 +1,8 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: stage layout, stage modules, schedules, the embedding
-shared by the first and last stages, and the measured bubble.
+shared by the first and last stages, and the measured bubble. (The schedules' orders and counts, which need no
+process, are ``moetrain.parallel.schedules``.)
 
-Order of application (``moetrain.train.trainer.build_sharded_model``): the model is built on the meta device, split
+Order of application (``moetrain.train.trainer.build_model_parts``): the model is built on the meta device, split
 into this rank's stages (:func:`build_stages`), each stage is parallelized like a whole model (EP placement, FSDP2
 over the stage's DP x EP ranks), materialised and initialised by name, then wrapped in ``PipelineStage`` objects
 driven by one of torch's schedules (:func:`build_schedule`).
@@ -22,7 +23,9 @@ from moetrain.model.config import ConfigError, ModelConfig
 from moetrain.model.stage import StageSpec, TransformerStage
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.config import V_SCHEDULES, ParallelConfig
+from moetrain.parallel.overlap import pair_schedule, paired_stage
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.parallel.schedules import check_microbatches, one_f_one_b_order
 from moetrain.parallel.timing import clock_for
 from moetrain.parallel.torch_compat import keep_split_backward_graph, without_self_p2p_warmup
 
@@ -118,21 +121,6 @@ def check_pipeline(cfg: ModelConfig, pcfg: ParallelConfig, n_microbatches: int) 
         return
     stage_specs(cfg, pcfg)
     check_microbatches(pcfg, n_microbatches)
-
-
-def check_microbatches(pcfg: ParallelConfig, n_microbatches: int) -> None:
-    """1F1B, ZB-V and interleaved 1F1B need at least PP micro-batches per step (interleaved: a multiple of PP),
-    DualPipeV at least its number of stages.
-
-    Raises:
-        ConfigError: naming the schedule, the need and ``train.grad_accum``.
-    """
-    name, n_stages = pcfg.pp_schedule, pcfg.n_stages
-    need = n_stages if name == "dualpipev" else pcfg.pp
-    if n_microbatches < need or (name == "interleaved-1f1b" and n_microbatches % pcfg.pp):
-        rule = "a multiple of" if name == "interleaved-1f1b" else "at least"
-        raise ConfigError(f"parallel.pp_schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
-                          f"per step; train.grad_accum={n_microbatches} (leave it unset for the minimum)")
 
 
 def build_stages(model: Transformer, pcfg: ParallelConfig, pp_rank: int) -> list[TransformerStage]:
@@ -286,7 +274,6 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     stages = []
     Timed = keep_split_backward_graph(without_self_p2p_warmup(_timed(PipelineStage)))
     if pcfg.ep_overlap:
-        from moetrain.parallel.overlap import paired_stage
         Timed = paired_stage(Timed)
     for part in parts:
         h = torch.empty(B, L, D, dtype=part.act_dtype, device="meta")
@@ -300,12 +287,10 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     order = None
     if pcfg.ep_overlap and cls is Schedule1F1B:
         # The 1F1B order on the runtime that executes OVERLAP_F_B actions (torch's Schedule1F1B has its own loop).
-        from moetrain.parallel.overlap import one_f_one_b_order
         cls, order = ScheduleInterleaved1F1B, one_f_one_b_order(pcfg.pp, n_microbatches)
     arg = stages[0] if cls is Schedule1F1B else stages
     schedule = cls(arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if pcfg.ep_overlap:
-        from moetrain.parallel.overlap import pair_schedule
         pair_schedule(schedule, order)
     return schedule, stages
 
@@ -313,14 +298,3 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
 def _to(ts: tuple[torch.Tensor, ...], dev: torch.device) -> tuple[torch.Tensor, ...]:
     """Example tensors for the static stage metadata: floating ones (activations, losses) carry gradients."""
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=dev, requires_grad=t.is_floating_point()) for t in ts)
-
-
-def bubble_formula(pcfg: ParallelConfig, n_microbatches: int) -> float:
-    """The schedule's idle fraction of a step with equal stage times and free communication: (p - 1) / (v m + p - 1)
-    for 1F1B (v = 1) and interleaved 1F1B with v stages per rank (Narayanan et al., SC'21, sec. 2.2); the V
-    schedules are counted as interleaving with v = 2 (an upper bound: ZB-V and DualPipeV fill part of it with
-    weight-gradient work, Qi et al. 2024). 0 without pipelining."""
-    p, m, v = pcfg.pp, n_microbatches, pcfg.stages_per_rank
-    if p == 1:
-        return 0.0
-    return (p - 1) / (v * m + p - 1)

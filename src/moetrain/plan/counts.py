@@ -180,7 +180,7 @@ def _count(cfg: ModelConfig, B: int, L: int) -> dict[str, tuple[float, float, fl
 
     torch.manual_seed(0)
     model = build_model(cfg, device="cpu", seed=0)
-    cos, sin = model._rope(L, torch.device("cpu"))
+    cos, sin = model.rope(L, torch.device("cpu"))
     tokens = torch.randint(0, cfg.vocab_size, (B, L))
     out: dict[str, tuple[float, float, float]] = {k: (0.0, 0.0, 0.0) for k in KINDS}
 

@@ -217,7 +217,7 @@ class Plan:
         Framework "moetrain" is its trainer's ``parallel.ep_overlap`` exactly: DualPipeV pairs only with it
         (without, torch's runtime runs each F&B pair one after the other), and 1F1B with PP > 1 pairs too
         ("combined-1f1b": each steady-state backward merged with the next forward,
-        ``moetrain.parallel.overlap.pair_actions``).
+        ``moetrain.parallel.schedules.pair_actions``).
         """
         if self.ep <= 1:
             return None

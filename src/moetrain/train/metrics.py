@@ -12,10 +12,12 @@ import json
 import resource
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
 
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
@@ -53,6 +55,78 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+@dataclass
+class StepMetrics:
+    """The one metrics record of training steps: figures of the optimizer step ``step`` and of the window of steps
+    since the previous record (throughput, communication, bubble). Console, JSONL and TensorBoard read it
+    (:meth:`MetricsSink.log_step`); the JSONL keys are the field names, in this order, after ``"kind": "train"``.
+
+    Attributes:
+        step: optimizer steps done.
+        loss, lm_loss, mtp_loss, balance_loss, grad_norm: the step's objective and terms
+            (``moetrain.train.step.StepResult``).
+        lr: the step's learning rate.
+        tokens_per_s_per_gpu, tflops_per_gpu, mfu: the window's throughput per rank (Megatron-Core FLOPs; MFU
+            against the device peak).
+        step_time_s: wall seconds per step in the window (evaluation and checkpoints excluded).
+        a2a_s_per_step, a2a_exposed_s_per_step: all-to-all seconds per step, and those the compute waited for.
+        a2a_exposed_share: exposed / total all-to-all time; a2a_share_of_step: exposed time / window time.
+        a2a_s_per_layer, a2a_exposed_s_per_layer: the same per MoE layer of this rank, per step.
+        a2a_s_per_layer_phase: per MoE layer, {phase: [a2a s, exposed s]} per step (``DispatchStats.PHASES``).
+        dispatch_bytes_per_step, dispatch_remote_bytes_per_step: dispatched rows' bytes, all and to other ranks.
+        pp_bubble_s_per_step, pp_bubble_share: measured pipeline bubble per step and as a share of the window.
+        pp_bubble_formula: the schedule's textbook bubble fraction.
+        load_imbalance_max, load_imbalance: max / mean tokens per expert, the largest and per MoE layer.
+        dropped_tokens: token-expert assignments dropped by a capacity limit in the step.
+        peak_mem_gb: peak memory of this process.
+        expert_load: (M, E) tokens per expert of the step, summed over ranks.
+    """
+
+    step: int
+    loss: float
+    lm_loss: float
+    mtp_loss: float
+    balance_loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    mfu: float
+    step_time_s: float
+    a2a_s_per_step: float
+    a2a_exposed_s_per_step: float
+    a2a_exposed_share: float
+    a2a_share_of_step: float
+    a2a_s_per_layer: list[float]
+    a2a_exposed_s_per_layer: list[float]
+    a2a_s_per_layer_phase: list[dict[str, list[float]]]
+    dispatch_bytes_per_step: float
+    dispatch_remote_bytes_per_step: float
+    pp_bubble_s_per_step: float
+    pp_bubble_share: float
+    pp_bubble_formula: float
+    load_imbalance_max: float
+    load_imbalance: list[float]
+    dropped_tokens: int
+    peak_mem_gb: float
+    expert_load: list[list[int]]
+
+    def record(self) -> dict[str, Any]:
+        """The JSONL record: ``{"kind": "train", <field>: <value>, ...}``."""
+        return {"kind": "train", **asdict(self)}
+
+    def console_line(self, pipelined: bool) -> str:
+        """The console's line of the step; ``pipelined`` adds the measured and the formula's bubble."""
+        return (f"step {self.step:>5} | loss {self.loss:.4f} (lm {self.lm_loss:.3f} mtp {self.mtp_loss:.3f} bal "
+                f"{self.balance_loss:.3f}) | gnorm {self.grad_norm:.2f} | lr {self.lr:.2e} | "
+                f"{self.tokens_per_s_per_gpu:,.0f} tok/s/gpu | {self.tflops_per_gpu:.4f} TFLOP/s/gpu | MFU "
+                f"{100 * self.mfu:.1f}% | a2a {1e3 * self.a2a_s_per_step:.1f} ms/step "
+                f"({100 * self.a2a_exposed_share:.0f}% exposed) | load max/mean {self.load_imbalance_max:.2f}"
+                f" | drop {self.dropped_tokens} | mem {self.peak_mem_gb:.2f} GB"
+                + (f" | bubble {100 * self.pp_bubble_share:.0f}% (formula {100 * self.pp_bubble_formula:.0f}%)"
+                   if pipelined else ""))
 
 
 class MetricsSink:
@@ -108,6 +182,11 @@ class MetricsSink:
                     self.tb.add_scalar(f"a2a/moe{m}/{phase}/total_s", total, step)
                     self.tb.add_scalar(f"a2a/moe{m}/{phase}/exposed_s", exposed, step)
 
+    def log_step(self, m: StepMetrics, pipelined: bool) -> None:
+        """One step's metrics: the JSONL record, its TensorBoard scalars and the console line."""
+        self.write(m.record())
+        self.print(m.console_line(pipelined))
+
     def print(self, text: str) -> None:
         self.console.print(text, markup=False)
 
@@ -117,6 +196,29 @@ class MetricsSink:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+
+
+class NullSink:
+    """The sink of the ranks that write nothing (all but rank 0): every method of :class:`MetricsSink`, doing
+    nothing."""
+
+    def start_progress(self, total: int, completed: int) -> None:
+        pass
+
+    def advance(self, status: str = "") -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def log_step(self, m: StepMetrics, pipelined: bool) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def load_imbalance(tokens_per_expert_ME: torch.Tensor) -> list[float]:

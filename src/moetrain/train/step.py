@@ -11,13 +11,14 @@ one pipeline read the same) once per step, before the first forward. The last st
 alpha / N_sequences (``moetrain.model.stage.AttachLoss``). FSDP sums gradients (divide factor 1), so the summed
 gradient is exactly the gradient of the global loss.
 
-Without pipelining the micro-batches run one after the other on the one stage (the whole model); with it,
-``torch.distributed.pipelining``'s schedule runs them (``moetrain.parallel.pipeline``).
+Every rank trains :class:`~moetrain.model.stage.TransformerStage` parts (the whole model is one stage without
+pipelining); the job's step runner (``moetrain.train.runners``: sequential, paired EP overlap or pipelined) runs the
+forward and backward passes, everything else is the same for all three.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -25,12 +26,14 @@ import torch.distributed as dist
 
 from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE
-from moetrain.model.stage import StageStats, TransformerStage
-from moetrain.model.transformer import IGNORE_INDEX, Transformer
+from moetrain.model.transformer import IGNORE_INDEX
 from moetrain.parallel.comm import name_collective_error, named_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
-from moetrain.parallel.timing import clock_for
+from moetrain.parallel.pipeline import sync_embedding_grads
+from moetrain.train.runners import ModelParts, Objective
+
+__all__ = ["ModelParts", "Objective", "StepResult", "grad_norm_and_clip", "train_step", "update_expert_biases"]
 
 
 @dataclass
@@ -55,89 +58,6 @@ class StepResult:
     dropped_tokens: int = 0
     pipeline_s: float = 0.0
     bubble_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-
-class Objective:
-    """The loss function of the last stage: divides its loss sums (1 + D,) by this step's global counts and keeps
-    the terms for the metrics. Called once per micro-batch (by the pipeline schedule, or the step loop)."""
-
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
-        self.depth = cfg.mtp_depth
-        self.weight = 1.0  # 0: the sums are recorded, the returned loss is zero (a forward run as a training step)
-        self.start(torch.ones(()), torch.ones(cfg.mtp_depth))
-
-    def start(self, n_tok: torch.Tensor, n_mtp: torch.Tensor) -> None:
-        """Begin a step (or an evaluation) with its global counts: the terms start again from zero."""
-        self.n_tok, self.n_mtp = n_tok, n_mtp
-        zero = torch.zeros((), dtype=torch.float64, device=n_tok.device)
-        self.lm, self.mtp, self.lm_sum = zero, zero.clone(), zero.clone()
-
-    def __call__(self, sums_S: torch.Tensor, _target: Any = None) -> torch.Tensor:
-        lm = sums_S[0] / self.n_tok.to(sums_S)
-        loss = lm
-        self.lm = self.lm + lm.detach().double()
-        self.lm_sum = self.lm_sum + sums_S[0].detach().double()
-        if self.depth:
-            mtp = (sums_S[1:] / self.n_mtp.to(sums_S)).sum() / self.depth
-            loss = loss + self.cfg.mtp_loss_weight * mtp
-            self.mtp = self.mtp + mtp.detach().double()
-        return loss * self.weight if self.weight != 1.0 else loss
-
-
-@dataclass
-class ModelParts:
-    """What a rank trains: its pipeline stages (one: the whole model, without pipelining) and, when pipelined, the
-    schedule that drives them.
-
-    Attributes:
-        parts: this rank's :class:`~moetrain.model.stage.TransformerStage` modules (or, for single-device callers,
-            one plain :class:`~moetrain.model.transformer.Transformer`).
-        schedule: the ``torch.distributed.pipelining`` schedule, or None (no pipelining).
-        pipeline_stages: the schedule's ``PipelineStage`` objects (their ``compute_s`` times the bubble).
-        objective: the loss function the schedule calls.
-        embedding_group: process group summing the embedding gradients of first and last stage (or None).
-        embedding_sync: whether the model has an embedding copy to sum at all.
-    """
-
-    parts: list[Any]
-    schedule: Any = None
-    pipeline_stages: list[Any] = field(default_factory=list)
-    objective: Objective | None = None
-    embedding_group: Any = None
-    embedding_sync: bool = False
-
-    @property
-    def last(self) -> bool:
-        return any(getattr(p, "spec", None) is None or p.spec.head for p in self.parts)
-
-    def moe_layers(self) -> list[tuple[int, MoE]]:
-        """(global MoE index, layer) of every MoE layer on this rank."""
-        out = []
-        for p in self.parts:
-            idx = p.moe_indices() if isinstance(p, TransformerStage) else range(len(p.moe_layers()))
-            out += list(zip(idx, p.moe_layers()))
-        return out
-
-    def parameters(self, counted_once: bool = False) -> list[torch.nn.Parameter]:
-        """Every parameter of the rank's parts; ``counted_once`` leaves out the last stage's embedding copy."""
-        from moetrain.parallel.pipeline import is_duplicate
-        out = []
-        for p in self.parts:
-            for name, t in p.named_parameters():
-                if counted_once and isinstance(p, TransformerStage) and is_duplicate(p, name):
-                    continue
-                out.append(t)
-        return out
-
-    def train(self, mode: bool = True) -> None:
-        for p in self.parts:
-            p.train(mode)
-
-
-def as_parts(model: Any) -> ModelParts:
-    return model if isinstance(model, ModelParts) else ModelParts([model])
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -193,33 +113,15 @@ def update_expert_biases(layers: list[tuple[int, MoE]], tokens_per_expert_ME: to
             moe.gate.expert_bias.add_(delta[m].to(moe.gate.expert_bias.device))
 
 
-def _forward_sums(part: Any, x: torch.Tensor, y: torch.Tensor, balance_scale: float) -> torch.Tensor:
-    """Loss sums (1 + D,) of one micro-batch through a whole model: a TransformerStage, or a plain Transformer (its
-    ModelOutput turned into the same sums, statistics and balance term)."""
-    if isinstance(part, TransformerStage):
-        return part(tokens_BL=x, labels_BL=y)
-    out = part(x, y)
-    sums = torch.stack([out.lm_loss_sum, *out.mtp_loss_sums])
-    for m, s in enumerate(out.moe_stats):
-        part._step_stats.add(m, s)
-    if out.balance_loss_sum is not None and balance_scale:
-        from moetrain.model.stage import AttachLoss
-        sums = AttachLoss.apply(sums, out.balance_loss_sum * balance_scale)
-    return sums
-
-
-def _stats(part: Any) -> StageStats:
-    return part.stats if isinstance(part, TransformerStage) else part._step_stats
-
-
-def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: torch.optim.Optimizer,
+def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
                micro_batches: list[tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig, ctx: ParallelContext,
                max_grad_norm: float = 1.0, autocast_dtype: torch.dtype | None = None,
                bias_update_rate: float | None = None, events: list | None = None) -> StepResult:
-    """Forward/backward every micro-batch, then clip, step the optimizer and update the expert biases.
+    """Forward/backward every micro-batch (through the parts' step runner), then clip, step the optimizer and
+    update the expert biases.
 
     Args:
-        model: this rank's :class:`ModelParts` (or one whole, possibly parallelized model), in train mode.
+        model: this rank's :class:`ModelParts`, in train mode.
         micro_batches: this rank's (inputs_BL, labels_BL) int64 pairs for this step, on ctx.device; the ranks of
             one pipeline get the same ones.
         cfg: model config (loss weights, MTP depth).
@@ -233,7 +135,6 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     Raises:
         CollectiveError: a collective (dispatch, combine, gradient sync ...) failed or timed out; names the phase.
     """
-    mp = as_parts(model)
     device = ctx.device
     depth = cfg.mtp_depth
     # Global normalisers: [loss tokens, MTP tokens per depth..., sequences], counted on the device and read on the
@@ -248,81 +149,32 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     n_seq = max(norm_host[-1], 1.0)
     balance_scale = cfg.balance_loss_alpha / n_seq if cfg.balance_loss_alpha > 0 else 0.0
 
-    objective = mp.objective or Objective(cfg)
+    objective = model.objective
     objective.start(n_tok, n_mtp)
-    for p in mp.parts:
-        if isinstance(p, TransformerStage):
-            p.stats, p.balance_scale = StageStats(), balance_scale
-        else:
-            p._step_stats = StageStats()
+    for p in model.parts:
+        p.start_step(balance_scale)
     amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
-    clock = clock_for(device)
-    schedule_span = None
-    if mp.schedule is None and ctx.pcfg.ep_overlap:
-        # Micro-batch i+1's forward paired with micro-batch i's backward, phase by phase (moetrain.parallel.overlap).
-        from moetrain.parallel.overlap import defer_fsdp_reduction, finish_fsdp_reduction, run_paired
-        part = mp.parts[0]
-        defer_fsdp_reduction(part)
-
-        def forward(i: int) -> torch.Tensor:
-            x, y = micro_batches[i]
-            with amp:
-                return objective(_forward_sums(part, x, y, balance_scale))
-        with named_phase("forward/backward with EP overlap (expert dispatch, combine or their backward)",
-                         ctx.distributed):
-            run_paired(forward, len(micro_batches), device.type, events, part)
-        with named_phase("gradient sync", ctx.distributed):
-            finish_fsdp_reduction(part)
-    elif mp.schedule is None:
-        part = mp.parts[0]
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            if ctx.distributed and hasattr(part, "set_requires_gradient_sync"):
-                part.set_requires_gradient_sync(last)
-            with named_phase("forward (FSDP parameter all-gather or expert dispatch)", ctx.distributed), amp:
-                loss = objective(_forward_sums(part, x, y, balance_scale))
-            with named_phase("backward / gradient sync", ctx.distributed):
-                loss.float().backward()
-    else:
-        x = torch.cat([b[0] for b in micro_batches])
-        y = torch.cat([b[1] for b in micro_batches])
-        # Every stage gets the token ids and labels as keyword arguments (moetrain.model.stage); the last stage's
-        # loss function gets the labels as its target.
-        kwargs = {"tokens_BL": x, "labels_BL": y, **({"target": y} if mp.last else {})}
-        for s in mp.pipeline_stages:
-            s.spans = []
-            s.events = events  # with parallel.ep_overlap: the tapes of the OVERLAP_F_B pairs record there
-        t_schedule = clock.mark()  # a point on the compute stream (a CUDA event on a GPU), read at the step's end
-        try:
-            with named_phase("pipeline schedule (stage send/recv, expert dispatch or FSDP gather)", True), amp:
-                mp.schedule.step(return_outputs=False, **kwargs)
-        finally:
-            for s in mp.pipeline_stages:
-                s.events = None
-        schedule_span = (t_schedule, clock.mark())
+    model.runner.forward_backward(micro_batches, amp, events)
     with named_phase("embedding gradient sum (first and last stage)", ctx.distributed):
-        from moetrain.parallel.pipeline import sync_embedding_grads
-        sync_embedding_grads([p for p in mp.parts if isinstance(p, TransformerStage)], mp.embedding_group,
-                             mp.embedding_sync)
+        sync_embedding_grads(model.parts, model.embedding_group, model.embedding_sync)
 
-    layers = mp.moe_layers()
+    layers = model.moe_layers()
     loads = torch.zeros(cfg.n_moe_layers + depth, cfg.n_routed_experts, dtype=torch.float64, device=device)
     bal = torch.zeros((), dtype=torch.float64, device=device)
     dropped = torch.zeros((), dtype=torch.float64, device=device)
-    for p in mp.parts:
-        st = _stats(p)
-        for m, c in st.loads.items():
+    for p in model.parts:
+        for m, c in p.stats.loads.items():
             loads[m] += c.to(device).double()
-        if st.balance_sum is not None:
-            bal += st.balance_sum.to(device)
-            dropped += st.dropped.to(device)
+        if p.stats.balance_sum is not None:
+            bal += p.stats.balance_sum.to(device)
+            dropped += p.stats.dropped.to(device)
     terms = torch.stack([objective.lm.to(device), objective.mtp.to(device), bal / n_seq])
     packed = _all_reduce(torch.cat([terms, loads.flatten(), dropped.view(1)]), ctx, "metrics all-reduce")
     terms = packed[:3]
     loads_ME = packed[3:3 + loads.numel()].round().long().view_as(loads)
-    once = mp.parameters(counted_once=True)
+    once = model.parameters(counted_once=True)
     ids = {id(p) for p in once}
-    gnorm = grad_norm_and_clip(once, max_grad_norm, ctx, [p for p in mp.parameters() if id(p) not in ids])
+    gnorm = grad_norm_and_clip(once, max_grad_norm, ctx, [p for p in model.parameters() if id(p) not in ids])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     rate = cfg.bias_update_rate if bias_update_rate is None else bias_update_rate
@@ -335,10 +187,7 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
     # Device-timed intervals and collectives of the step have executed by now: read their events.
     for _, moe in layers:
         moe.dispatcher.stats.settle()
-    pipeline_s = bubble_s = 0.0
-    if schedule_span is not None:
-        pipeline_s = clock.seconds(*schedule_span)
-        bubble_s = max(0.0, pipeline_s - sum(s.compute_seconds() for s in mp.pipeline_stages))
+    pipeline_s, bubble_s = model.runner.timing()
     total = lm_v + cfg.mtp_loss_weight * mtp_v + cfg.balance_loss_alpha * bal_v
     return StepResult(loss=total, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v, grad_norm=gnorm_v,
                       tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]), n_sequences=int(norm_host[-1]),
