@@ -27,7 +27,6 @@ import torch
 
 from moetrain.model.phases import Tape
 from moetrain.parallel.schedules import pair_actions
-from moetrain.parallel.schedules import paired_fraction  # noqa: F401 - the planner's import (moetrain.plan.model)
 from moetrain.parallel.torch_compat import fsdp_param_groups
 
 

@@ -66,7 +66,7 @@ def unpaired_fraction(plan: Plan) -> float:
     m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
     sched = plan.resolved_schedule
     if plan.framework == "moetrain" and sched in ("1f1b", "interleaved", "dualpipev"):
-        from moetrain.parallel.overlap import paired_fraction
+        from moetrain.parallel.schedules import paired_fraction
         name = {"interleaved": "interleaved-1f1b"}.get(sched, sched)
         return 1.0 - min(paired_fraction(name, pp, 2 if sched == "dualpipev" else vpp, m))
     if sched == "dualpipe":
