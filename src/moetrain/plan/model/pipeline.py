@@ -61,7 +61,7 @@ def unpaired_fraction(plan: Plan) -> float:
     """Share of a rank's micro-batch chunks in pipeline warm-up / cool-down, where EP overlap has no partner.
 
     Framework "moetrain": counted on the compute order its trainer runs (torch's schedule after moetrain's
-    pairing, ``moetrain.parallel.overlap.paired_fraction``), for the rank that pairs least -- the pipeline waits
+    pairing, ``moetrain.parallel.schedules.paired_fraction``), for the rank that pairs least -- the pipeline waits
     for its slowest rank."""
     m, pp, vpp = plan.n_microbatches, plan.pp, plan.vpp
     sched = plan.resolved_schedule
