@@ -50,6 +50,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
+from moetrain.layout import TRAINER_DEFAULT_VALUES, TRAINER_KEY_ALIASES, Schedule
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
@@ -123,6 +124,60 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
         if section not in SECTIONS and section != "model":
             raise ConfigError(f"unknown config section {section!r} in {item!r}; sections: {list(SECTIONS)}")
         out.setdefault(section, {})[name] = _parse_value(value.strip())
+    return out
+
+
+def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The trainer's older key names and values (:data:`moetrain.layout.TRAINER_KEY_ALIASES`) rewritten to today's,
+    once, when a job is read: ``parallel.pp_schedule`` -> ``parallel.schedule``, ``dispatch_dtype`` ->
+    ``dispatch_precision``, ``activation_checkpointing`` -> ``recompute``, ``dedup`` -> ``dispatcher`` (flex /
+    alltoall; the older dispatcher values "auto" and "local" meant the default), ``train.fp8`` and ``train.dtype`` ->
+    ``parallel.precision``. A parallel section written with older keys counted ``parallel.dp`` per expert replica
+    (ranks holding the same experts): it is multiplied by ``ep`` into today's DP, EP included.
+
+    Raises:
+        ConfigError: an older key beside its new one, or an older value that has no translation.
+    """
+    out = {k: dict(v) for k, v in sections.items()}
+    old_style = any((s, k) in TRAINER_KEY_ALIASES for s, sec in sections.items() for k in sec
+                    if s == "parallel")
+    if old_style and out.get("parallel", {}).get("dp"):
+        par = out["parallel"]
+        par["dp"] = par["dp"] * par.get("ep", 1)
+    fp8 = out.get("train", {}).get("fp8")
+    par = out.get("parallel", {})
+    if "dedup" in par:  # with the older dispatcher value beside it: auto / alltoall were both the all-to-all
+        dedup, values = par.pop("dedup"), TRAINER_KEY_ALIASES[("parallel", "dedup")][2]
+        if not isinstance(dedup, bool):
+            raise ConfigError(f"parallel.dedup={dedup!r} (the older spelling of parallel.dispatcher flex / alltoall) "
+                              f"must be true or false")
+        old = par.get("dispatcher", "auto")
+        if old == "auto" and dedup:
+            par.pop("dispatcher", None)  # the default: flex, the local permutation at EP 1
+        elif old in ("auto", "alltoall"):
+            par["dispatcher"] = values[dedup]
+    for (section, key), (new_section, new_key, values) in TRAINER_KEY_ALIASES.items():
+        if key not in out.get(section, {}):
+            continue
+        value = out[section].pop(key)
+        if (section, key) == ("train", "dtype") and fp8 not in (None, "none"):
+            continue  # FP8 GEMMs set the precision; the rest of the step runs as under "auto"
+        if values is not None:
+            if value not in values or isinstance(value, bool) != any(isinstance(v, bool) for v in values):
+                allowed = ", ".join(json.dumps(v) for v in values)
+                raise ConfigError(f"{section}.{key}={value!r} (the older name of {new_section}.{new_key}) must be "
+                                  f"one of {allowed}")
+            value = values[value]
+            if value is None:
+                continue
+        target = out.setdefault(new_section, {})
+        if new_key in target and (new_section, new_key) != (section, key):
+            raise ConfigError(f"{section}.{key} is the older name of {new_section}.{new_key}; set only "
+                              f"{new_section}.{new_key}")
+        target[new_key] = value
+    for (section, key), defaults in TRAINER_DEFAULT_VALUES.items():
+        if out.get(section, {}).get(key) in defaults:
+            del out[section][key]
     return out
 
 
@@ -220,8 +275,8 @@ def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
     them; a set one is kept (the tokens per step then grow). The note says what changed: validation runs
     ``train.eval_batches`` micro-batches, so a smaller micro-batch also validates on fewer sequences."""
     pcfg, tc = job.parallel, job.train
-    need = pcfg.n_stages if pcfg.pp_schedule == "dualpipev" else pcfg.pp
-    if tc.grad_accum >= need and (pcfg.pp_schedule != "interleaved-1f1b" or tc.grad_accum % pcfg.pp == 0):
+    need = pcfg.n_stages if pcfg.schedule == Schedule.DUALPIPEV else pcfg.pp
+    if tc.grad_accum >= need and (pcfg.schedule != Schedule.INTERLEAVED or tc.grad_accum % pcfg.pp == 0):
         return
     seqs = tc.micro_batch_size * tc.grad_accum
     split = not mbs_set and seqs % need == 0 and seqs >= need
@@ -229,8 +284,8 @@ def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
     job.train = dataclasses.replace(tc, grad_accum=need, micro_batch_size=mbs)
     kept = (f"the {seqs} sequences per pipeline and step kept, validation on {tc.eval_batches} micro-batches of "
             f"{mbs}" if split else f"{mbs * need} sequences per pipeline and step (was {seqs})")
-    job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.pp_schedule="
-                     f"{pcfg.pp_schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step ({kept}); "
+    job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.schedule="
+                     f"{pcfg.schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step ({kept}); "
                      f"--set train.grad_accum=N chooses another")
 
 
@@ -252,7 +307,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         ConfigError / ValueError: naming the offending field and the fix. DataError: ``data.tokenizer`` cannot be
         loaded (it is read to size the model's vocabulary).
     """
-    sections = {k: dict(v) for k, v in (sections or {}).items()}
+    sections = translate_aliases(sections or {})
     model_raw = sections.get("model", {})
     preset = model_raw.pop("preset", None)
     hf_config = model_raw.pop("hf_config", None)
@@ -311,11 +366,14 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
 
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                    world: int | Callable[[JobConfig], int | None] | None = None) -> JobConfig:
-    """File (optional) + ``section.field=value`` overrides -> validated JobConfig (``world``: see
-    :func:`build_job_config`)."""
-    sections = read_config_file(path) if path else {}
-    return build_job_config(_merge(sections, parse_overrides(overrides or [])), world)
+                    world: int | Callable[[JobConfig], int | None] | None = None,
+                    plan: dict[str, dict[str, Any]] | None = None) -> JobConfig:
+    """File (optional), then a plan's sections (``plan``, from :func:`moetrain.train.from_plan.plan_job`), then
+    ``section.field=value`` overrides -> validated JobConfig (``world``: see :func:`build_job_config`). Each source's
+    older key names are translated on its own, so a newer name in one and an older in the next override each other."""
+    sections = translate_aliases(read_config_file(path)) if path else {}
+    sections = _merge(sections, plan or {})
+    return build_job_config(_merge(sections, translate_aliases(parse_overrides(overrides or []))), world)
 
 
 def save_job_config(job: JobConfig, path: str | Path) -> Path:
@@ -337,6 +395,7 @@ def save_job_config(job: JobConfig, path: str | Path) -> Path:
 
 def job_config_from_dict(d: dict[str, Any]) -> JobConfig:
     """Inverse of JobConfig.to_dict (used to ship the config to worker processes)."""
+    d = {**d, **translate_aliases({s: d[s] for s in ("parallel", "train")})}
     return JobConfig(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
                      data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]), preset=d.get("preset", "tiny"))
 

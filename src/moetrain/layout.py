@@ -190,6 +190,11 @@ TRAINER_KEY_ALIASES: dict[tuple[str, str], tuple[str, str, dict[Any, Any] | None
 }
 
 
+#: Older values of a trainer key that meant "the default" (the trainer picks the local permutation at EP = 1 by
+#: itself): dropped when read. (The older "local" is refused by name: at EP = 1 every dispatcher is local.)
+TRAINER_DEFAULT_VALUES: dict[tuple[str, str], tuple[Any, ...]] = {("parallel", "dispatcher"): ("auto",)}
+
+
 @dataclass(frozen=True)
 class Layout:
     """The parallel layout and recipe of a run, one meaning per name (the planner's; the trainer's ``[parallel]``).

@@ -89,12 +89,12 @@ class ParallelContext:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // self.pcfg.ep) % self.pcfg.dp
+        return (self.rank // self.pcfg.ep) % self.pcfg.edp
 
     @property
     def stage_size(self) -> int:
-        """Ranks per pipeline stage (DP x EP): the data-parallel world."""
-        return self.pcfg.dp * self.pcfg.ep
+        """Ranks per pipeline stage (DP, EP included): the data-parallel world."""
+        return self.pcfg.dp
 
     @property
     def pp_rank(self) -> int:
@@ -218,7 +218,7 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.dp, pcfg.ep, pcfg.timeout_s)
+    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.edp, pcfg.ep, pcfg.timeout_s)
     return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
 
 
@@ -235,7 +235,7 @@ def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> Pa
     pcfg = pcfg.resolve(world, n_routed_experts)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.dp, pcfg.ep, None)
+    mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.edp, pcfg.ep, None)
     return ParallelContext(0, world, 0, torch.device("cpu"), pcfg, mesh, flat)
 
 

@@ -330,18 +330,21 @@ def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> li
     planner asks for thousands of plans; tests check the two counts agree).
 
     Args:
-        schedule: "1f1b", "interleaved-1f1b", "dualpipev" or "zbv" (``parallel.pp_schedule``).
+        schedule: a :class:`~moetrain.layout.Schedule` the trainer runs (``parallel.schedule``; older names
+            such as "interleaved-1f1b" accepted).
         pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
         n_microbatches: micro-batches per step.
     """
     from moetrain.model.config import ConfigError
+    from moetrain.layout import Schedule
     from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.pipeline import check_microbatches
 
     m = n_microbatches
     if pp == 1:
         return [(m - 1) / m if m > 1 else 0.0]
-    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == "interleaved-1f1b" else 1, pp_schedule=schedule)
+    schedule = Schedule.parse(schedule, "schedule")
+    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == Schedule.INTERLEAVED else 1, schedule=schedule)
     try:
         check_microbatches(pcfg, m)
     except ConfigError:

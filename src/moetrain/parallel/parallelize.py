@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moetrain.layout import Recompute
 from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher
 from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.dispatch import AllToAllDispatcher
@@ -48,22 +49,22 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             this dtype, gradients reduced in fp32; None keeps fp32 throughout (the CPU default).
 
     Raises:
-        ValueError: the "local" dispatcher asked for with EP > 1, or "alltoall" without a process group.
+        ValueError: the all-to-all dispatcher without a process group.
     """
     pcfg = ctx.pcfg
     capacity = CapacityConfig(pcfg.capacity_factor, pcfg.drop_policy, pcfg.pad_to_capacity)
-    kind = pcfg.dispatcher_kind
-    if kind == "local" and pcfg.ep > 1:
-        raise ValueError(f"dispatcher 'local' cannot move tokens between EP={pcfg.ep} ranks; use 'alltoall'")
+    # At EP = 1 no token leaves the rank: an unset dispatcher is the local permutation there.
+    kind = "alltoall" if pcfg.moves_tokens else "local"
     # 1. expert parallelism
     moe_index = model.moe_indices() if hasattr(model, "moe_indices") else range(len(model.moe_layers()))
     for m_idx, moe in zip(moe_index, model.moe_layers()):
         E = moe.gate.n_experts
         if kind == "alltoall":
             if not ctx.distributed:
-                raise ValueError("dispatcher 'alltoall' needs a process group; launch with torchrun")
+                raise ValueError(f"dispatcher {pcfg.run_dispatcher!r} (the all-to-all) needs a process group; "
+                                 f"launch with torchrun")
             moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
-                                                pcfg.dedup, dispatch_dtype=pcfg.dispatch_dtype)
+                                                pcfg.dedup, dispatch_dtype=pcfg.dispatch_precision.value)
             moe.dispatcher.layer = m_idx
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
@@ -74,7 +75,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     # 3. activation checkpointing
     blocks = model.blocks()
     for block in blocks:
-        block.recompute = pcfg.activation_checkpointing
+        block.recompute = pcfg.recompute == Recompute.FULL
     # 4. FSDP2
     if ctx.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -87,7 +88,9 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         # of one per micro-batch and pass.
         # The same holds for EP overlap, whose backward is many autograd calls interleaved with another
         # micro-batch's forward (moetrain.parallel.overlap).
-        keep = pcfg.pp > 1 or pcfg.ep_overlap
+        # parallel.fsdp=false asks for the same at PP = 1 (Megatron's distributed-optimizer memory; the plain step
+        # then also skips the reshard after each micro-batch's backward, moetrain.train.step).
+        keep = pcfg.keeps_params_gathered
         for moe in model.moe_layers():
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
             fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,

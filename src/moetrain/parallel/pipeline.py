@@ -6,7 +6,7 @@ into this rank's stages (:func:`build_stages`), each stage is parallelized like 
 over the stage's DP x EP ranks), materialised and initialised by name, then wrapped in ``PipelineStage`` objects
 driven by one of torch's schedules (:func:`build_schedule`).
 
-Stage-to-rank mapping (torch's own): "1f1b" / "interleaved-1f1b" loop -- stage s on pipeline rank s mod PP, so a
+Stage-to-rank mapping (torch's own): "1f1b" / "interleaved" loop -- stage s on pipeline rank s mod PP, so a
 rank holds VPP stages PP apart; "dualpipev" / "zbv" a V -- rank r holds stages r and 2 PP - 1 - r, so the first and
 last stages (embedding and head) share rank 0.
 """
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from moetrain.model.config import ConfigError, ModelConfig
 from moetrain.model.stage import StageSpec, TransformerStage
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.config import V_SCHEDULES, ParallelConfig
+from moetrain.layout import Schedule
+from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.timing import clock_for
 from moetrain.parallel.torch_compat import keep_split_backward_graph, without_self_p2p_warmup
@@ -70,7 +71,7 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     where = (f"parallel.pp_layout={layout!r}" if pcfg.pp_layout else f"the default layout {layout!r}")
     if len(stages) != n_stages:
         raise ConfigError(f"{where} has {len(stages)} stages; expected PP x stages per rank = {pcfg.pp} x "
-                          f"{pcfg.stages_per_rank} = {n_stages} ({pcfg.pp_schedule})")
+                          f"{pcfg.stages_per_rank} = {n_stages} ({pcfg.schedule})")
     flat = "".join(stages)
     if flat.count("t") != cfg.n_layers:
         raise ConfigError(f"{where} places {flat.count('t')} layers 't'; the model has n_layers={cfg.n_layers}")
@@ -97,7 +98,7 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
 def stage_to_rank(pcfg: ParallelConfig, stage: int) -> int:
     """Pipeline rank of ``stage`` (torch's loop or V mapping)."""
     pp = pcfg.pp
-    if pcfg.pp_schedule in V_SCHEDULES and pp > 1:
+    if pcfg.schedule.is_v and pp > 1:
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
 
@@ -127,11 +128,11 @@ def check_microbatches(pcfg: ParallelConfig, n_microbatches: int) -> None:
     Raises:
         ConfigError: naming the schedule, the need and ``train.grad_accum``.
     """
-    name, n_stages = pcfg.pp_schedule, pcfg.n_stages
-    need = n_stages if name == "dualpipev" else pcfg.pp
-    if n_microbatches < need or (name == "interleaved-1f1b" and n_microbatches % pcfg.pp):
-        rule = "a multiple of" if name == "interleaved-1f1b" else "at least"
-        raise ConfigError(f"parallel.pp_schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
+    name, n_stages = pcfg.schedule, pcfg.n_stages
+    need = n_stages if name == Schedule.DUALPIPEV else pcfg.pp
+    if n_microbatches < need or (name == Schedule.INTERLEAVED and n_microbatches % pcfg.pp):
+        rule = "a multiple of" if name == Schedule.INTERLEAVED else "at least"
+        raise ConfigError(f"parallel.schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
                           f"per step; train.grad_accum={n_microbatches} (leave it unset for the minimum)")
 
 
@@ -260,7 +261,7 @@ def _timed(cls: type) -> type:
 
 def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int, micro_batch: int, seq_len: int,
                    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> tuple[Any, list[Any]]:
-    """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.pp_schedule`` over this rank's stages.
+    """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.schedule`` over this rank's stages.
 
     Message shapes are declared up front (static metadata: no trial forward, whose MoE statistics and all-to-alls
     would count): a stage receives and sends the hidden state h (B, L, D) in ``act_dtype`` -- the token ids and
@@ -278,7 +279,7 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
     pcfg = ctx.pcfg
-    name = pcfg.pp_schedule
+    name = pcfg.schedule
     n_stages = pcfg.n_stages
     check_microbatches(pcfg, n_microbatches)
     B, L, D = micro_batch, seq_len, parts[0].cfg.dim
@@ -295,8 +296,8 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
                    else (h,))
         stages.append(Timed(part, part.spec.index, n_stages, dev, input_args=_to(inputs, dev),
                             output_args=_to(outputs, dev), group=ctx.pp_group))
-    cls = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV,
-           "zbv": ScheduleZBVZeroBubble}[name]
+    cls = {Schedule.ONE_F_ONE_B: Schedule1F1B, Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
+           Schedule.DUALPIPEV: ScheduleDualPipeV, Schedule.ZBV: ScheduleZBVZeroBubble}[name]
     order = None
     if pcfg.ep_overlap and cls is Schedule1F1B:
         # The 1F1B order on the runtime that executes OVERLAP_F_B actions (torch's Schedule1F1B has its own loop).

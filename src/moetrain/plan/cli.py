@@ -75,7 +75,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
     g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
     g.add_argument("--schedule", choices=list(SCHEDULES) + list(SCHEDULE_ALIASES),
-                   help="pipeline schedule; the trainer's names interleaved-1f1b and dualpipev are accepted")
+                   help="pipeline schedule (moetrain.layout.Schedule); the older name interleaved-1f1b is accepted")
     g.add_argument("--dispatcher", choices=DISPATCHERS, help="token dispatcher: alltoall (a row per token-expert "
                    "pair), flex (DeepEP/HybridEP: a row per destination rank / domain), allgather; default: the "
                    "framework's (the record's recipe with --record)")
@@ -210,7 +210,6 @@ def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) ->
     would do with the same flags."""
     from moetrain.config import load_job_config
     from moetrain.plan.local import local_plan
-    from moetrain.train.from_plan import SCHEDULE_NAMES
 
     sets = []
     pp = getattr(args, "pp", None) or 1
@@ -219,7 +218,7 @@ def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) ->
         if getattr(args, "vpp", None):
             sets.append(f"parallel.vpp={args.vpp}")
         if getattr(args, "schedule", None):
-            sets.append(f'parallel.pp_schedule="{SCHEDULE_NAMES.get(args.schedule, args.schedule)}"')
+            sets.append(f'parallel.schedule="{args.schedule}"')
         if getattr(args, "pp_layout", None):
             sets.append(f'parallel.pp_layout="{args.pp_layout}"')
     job = load_job_config(None, sets)
@@ -232,7 +231,7 @@ def _trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) ->
     ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
     plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
                       job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
-                      schedule=job.parallel.pp_schedule, pp_layout=layout)
+                      schedule=job.parallel.schedule, pp_layout=layout)
     return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 

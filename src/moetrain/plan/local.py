@@ -49,13 +49,15 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
                ep: int = 2, activation_checkpointing: bool = False, precision: str = "fp32", pp: int = 1,
                vpp: int = 1, schedule: str = "1f1b", pp_layout: str | None = None, ep_overlap: bool = False) -> Plan:
     """The :class:`Plan` of a local ``moetrain train`` run: PP stages of DP = world / PP ranks each, EP carved out
-    of a stage's ranks, FSDP2; ``schedule`` and ``vpp`` as ``parallel.pp_schedule`` / ``parallel.vpp`` (the trainer's
-    names; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
+    of a stage's ranks, FSDP2 (parameters resharded after each pass -- fsdp -- unless pipelining or EP overlap
+    keep them gathered through the step, as the trainer does); ``schedule`` and ``vpp`` as ``parallel.schedule`` / ``parallel.vpp`` (older names
+    accepted; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
     "paired-microbatch" schedule at PP = 1, the schedule's own F&B pairs under pipelining)."""
     return Plan(tp=1, pp=pp, vpp=vpp if pp > 1 else 1, ep=ep, cp=1, dp=world // pp, micro_batch=micro_batch,
                 global_batch=micro_batch * grad_accum * (world // pp), seq_len=seq_len, precision=precision,
                 recompute="full" if activation_checkpointing else "none", ep_overlap=ep_overlap,
-                routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32", fsdp=True,
+                routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32",
+                fsdp=not (pp > 1 or ep_overlap),
                 schedule=schedule if pp > 1 else None, pp_layout=pp_layout if pp > 1 else None,
                 framework="moetrain", name="local moetrain train")
 
@@ -95,7 +97,7 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
         seq_len, micro_batch, grad_accum: the trainer's data.seq_len, train.micro_batch_size, train.grad_accum.
         world, ep: processes and expert-parallel size.
         bench_json: a ``moetrain bench`` result (dict or path; default .cache/moetrain/bench.json).
-        activation_checkpointing: parallel.activation_checkpointing.
+        activation_checkpointing: ``parallel.recompute`` "full".
         precision: "fp32" (the trainer's CPU default).
 
     Raises:

@@ -900,8 +900,7 @@ def _unpaired_fraction(plan: Plan) -> float:
     sched = plan.resolved_schedule
     if plan.framework == "moetrain" and sched in ("1f1b", "interleaved", "dualpipev"):
         from moetrain.parallel.overlap import paired_fraction
-        name = {"interleaved": "interleaved-1f1b"}.get(sched, sched)
-        return 1.0 - min(paired_fraction(name, pp, 2 if sched == "dualpipev" else vpp, m))
+        return 1.0 - min(paired_fraction(sched, pp, 2 if sched == "dualpipev" else vpp, m))
     if sched == "dualpipe":
         return min(1.0, (pp / 2) / m)
     if sched == "dualpipev":
@@ -1223,6 +1222,8 @@ def _predict_at(shape: ModelShape, spec: GPUSpec, n_gpus: int, plan: Plan, *,
     stage_desc = ["".join(st) for st in stages]
     details = {
         "stages": stage_desc,
+        "stage_params": [sum(costs[k].params_dense + costs[k].params_expert for k in st) for st in stages],
+        "state_per_device_gib": [mb.weights + mb.fp8_weights + mb.gradients + mb.optimizer for mb in mems],
         "device_time_per_microbatch_s": dev_time,
         "slowest_device": slow,
         "microbatches": m,

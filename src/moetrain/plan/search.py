@@ -25,7 +25,7 @@ MEMORY_HEADROOM = 0.05
 #: What each framework runs, for ``--search`` (by default a search keeps to the plan's framework):
 #: tensor / context parallel sizes, GEMM precisions, pipeline schedules, whether its EP overlap exists, FSDP.
 #: moetrain: what its trainer runs -- data x expert parallel with FSDP2, pipeline parallel with the 1f1b /
-#: interleaved-1f1b / dualpipev / zbv schedules (moetrain.parallel.config.PP_SCHEDULES), no TP, no CP, no FP8
+#: interleaved / dualpipev / zbv schedules (moetrain.parallel.config.PP_SCHEDULES), no TP, no CP, no FP8
 #: GEMMs yet (BF16 on GPUs). Megatron-Core:
 #: TP, CP, FP8, 1F1B and interleaved 1F1B (combined 1F1B with EP overlap), no DualPipe. DeepSeek-V3's framework:
 #: DualPipe, no TP (report sec. 3.2). TorchTitan: TP, CP, FP8, 1F1B / interleaved / ZBV, no EP overlap.

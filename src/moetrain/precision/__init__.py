@@ -1,4 +1,5 @@
-"""FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes, ``apply_fp8``.
+"""FP8 training (``parallel.precision`` fp8 / mxfp8): quantisation reference, FP8 linear and grouped GEMMs, recipes,
+``apply_fp8``.
 
 * :mod:`~moetrain.precision.quant` -- E4M3 casts, tile/block scales (fp32 and E8M0), dequantisation.
 * :mod:`~moetrain.precision.gemm` -- FP8 GEMM reference (fp32 GEMM of dequantised operands), fast paths and their

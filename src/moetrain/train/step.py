@@ -279,6 +279,8 @@ def train_step(model: ModelParts | Transformer | TransformerStage, optimizer: to
             last = i == len(micro_batches) - 1
             if ctx.distributed and hasattr(part, "set_requires_gradient_sync"):
                 part.set_requires_gradient_sync(last)
+                if ctx.pcfg.keeps_params_gathered:  # parallel.fsdp=false: gathered once per step, kept through it
+                    part.set_reshard_after_backward(last)
             with named_phase("forward (FSDP parameter all-gather or expert dispatch)", ctx.distributed), amp:
                 loss = objective(_forward_sums(part, x, y, balance_scale))
             with named_phase("backward / gradient sync", ctx.distributed):

@@ -24,11 +24,11 @@ from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.config import TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
-from moetrain.parallel.config import V_SCHEDULES
 from moetrain.parallel.hang import hang_monitor, in_phase
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
+from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
 from moetrain.train.checkpoint import (CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint,
                                        save_checkpoint)
 from moetrain.train.metrics import MetricsSink, device_peak, load_imbalance, peak_memory_gb
@@ -49,7 +49,7 @@ def resolve_device(job: JobConfig) -> str:
 
 
 def autocast_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
-    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
+    if job.parallel.autocast_bf16(device.type):
         return torch.bfloat16
     return None
 
@@ -108,7 +108,7 @@ def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
             # torch's zero-bubble V schedules cannot run forward-only (their eval() asserts on the split backward
             # actions), so there the step runs as a training step with a zero loss and no balance term, and the
             # (zero) gradients are dropped.
-            v = ctx.pcfg.pp_schedule in V_SCHEDULES
+            v = ctx.pcfg.schedule.is_v
             for g in range(0, len(batches), n):
                 x = torch.cat([b[0] for b in batches[g:g + n]])
                 y = torch.cat([b[1] for b in batches[g:g + n]])
@@ -172,8 +172,9 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
 
 
 def _apply_precision(model: Transformer, job: JobConfig) -> None:
-    """FP8 GEMMs (``train.fp8``) swapped in on the single-device (meta) model, before it is parallelized."""
-    recipe = getattr(job.train, "fp8", "none")
+    """FP8 GEMMs (``parallel.precision`` fp8 / mxfp8) swapped in on the single-device (meta) model, before it is
+    parallelized."""
+    recipe = PLAN_PRECISION_TO_FP8.get(job.parallel.precision, "none")  # "auto": no FP8
     if recipe != "none":
         from moetrain.precision import apply_fp8
         apply_fp8(model, recipe)
@@ -282,15 +283,16 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     peak_tflops, peak_label = device_peak(ctx.device, amp)
     tokens_per_step = tc.micro_batch_size * tc.grad_accum * ctx.stage_size * job.data.seq_len
     pcfg = ctx.pcfg
-    pipe = (f"PP={pcfg.pp} ({pcfg.pp_schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
+    pipe = (f"PP={pcfg.pp} ({pcfg.schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
     if sink:
         sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | {pipe}DP={ctx.pcfg.dp} EP={ctx.pcfg.ep} "
-                   f"dispatcher={ctx.pcfg.dispatcher_kind} | model {job.preset}: "
+                   f"dispatcher={ctx.pcfg.run_dispatcher if ctx.pcfg.moves_tokens else 'local'} | model {job.preset}: "
                    f"{local_numel(model):,} params on rank 0 | {tokens_per_step:,} tokens/step "
                    f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak_tflops:.3f} TFLOP/s "
                    f"({peak_label})")
         sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": ctx.pcfg.dp,
-                    "ep": ctx.pcfg.ep, "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.pp_schedule, "dispatcher": ctx.pcfg.dispatcher_kind, "preset": job.preset,
+                    "ep": ctx.pcfg.ep, "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.schedule,
+                    "dispatcher": pcfg.run_dispatcher if pcfg.moves_tokens else "local", "preset": job.preset,
                     "flops_per_token_megatron": fpt.megatron, "flops_per_token_6n": fpt.six_n,
                     "peak_tflops": peak_tflops, "peak_label": peak_label, "config": job.to_dict()})
 
