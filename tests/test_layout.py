@@ -220,3 +220,35 @@ def test_plan_files_round_trip(tmp_path):
     assert pf.plan == plan.replace(cuda_graphs="none") and pf.model  # the file holds the resolved defaults == "tiny" and pf.gpu == "h100" and pf.stages == ("Ed", "tt", "tt", "tmL")
     with pytest.raises(ConfigError, match="does not know"):
         plan_from_dict({**plan.to_dict(), "warp_drive": 1})
+
+
+def test_the_trainer_default_split_is_the_planners():
+    from moetrain.parallel.pipeline import default_layout
+    from moetrain.plan.model import predict
+    from moetrain.plan.local import trainer_plan
+
+    job = load_job_config(None, ["parallel.pp=2", 'parallel.schedule="dualpipev"'], world=2)
+    layout = job.parallel.resolve(2, job.model.n_routed_experts).replace(precision="bf16", mtp_depth=None)
+    plan = trainer_plan(job.model, layout, job.train.micro_batch_size, job.train.grad_accum, job.data.seq_len)
+    stages = predict(job.model, "H100", 2, plan, _ignore_memory=True).details["stages"]
+    assert job.parallel.pp_layout == megatron_layout(stages) == "Ett|t|t|mL"
+    assert job.parallel.pp_layout != default_layout(job.model, 4)  # not the even split
+    given = load_job_config(None, ["parallel.pp=2", 'parallel.pp_layout="Et|t|t|tmL"'], world=2)
+    assert given.parallel.pp_layout == "Et|t|t|tmL"  # a given split is kept
+
+
+@pytest.mark.dist
+def test_fsdp_false_keeps_parameters_through_the_step_and_trains_the_same():
+    """Plan fsdp=false at PP 1 (parameters gathered once per step, Megatron's distributed-optimizer memory) trains
+    exactly as ZeRO-3 (fsdp=true: resharded after every forward and backward)."""
+    import torch
+
+    from tests.parallel.harness import ok_values, run_ranks
+    from tests.parallel.workers import train_run
+
+    zero3 = ok_values(run_ranks(2, train_run, {"ep": 2, "fsdp": True}, 2, 2, None, False, 1e-5))
+    kept = ok_values(run_ranks(2, train_run, {"ep": 2, "fsdp": False}, 2, 2, None, False, 1e-5))
+    for a, b in zip(zero3, kept):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        for name, want in a["params"].items():
+            torch.testing.assert_close(b["params"][name], want, msg=lambda m, n=name: f"{n}: {m}")

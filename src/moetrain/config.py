@@ -50,7 +50,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
-from moetrain.layout import TRAINER_DEFAULT_VALUES, TRAINER_KEY_ALIASES, Schedule
+from moetrain.layout import Schedule, translate_aliases
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
@@ -124,60 +124,6 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
         if section not in SECTIONS and section != "model":
             raise ConfigError(f"unknown config section {section!r} in {item!r}; sections: {list(SECTIONS)}")
         out.setdefault(section, {})[name] = _parse_value(value.strip())
-    return out
-
-
-def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The trainer's older key names and values (:data:`moetrain.layout.TRAINER_KEY_ALIASES`) rewritten to today's,
-    once, when a job is read: ``parallel.pp_schedule`` -> ``parallel.schedule``, ``dispatch_dtype`` ->
-    ``dispatch_precision``, ``activation_checkpointing`` -> ``recompute``, ``dedup`` -> ``dispatcher`` (flex /
-    alltoall; the older dispatcher values "auto" and "local" meant the default), ``train.fp8`` and ``train.dtype`` ->
-    ``parallel.precision``. A parallel section written with older keys counted ``parallel.dp`` per expert replica
-    (ranks holding the same experts): it is multiplied by ``ep`` into today's DP, EP included.
-
-    Raises:
-        ConfigError: an older key beside its new one, or an older value that has no translation.
-    """
-    out = {k: dict(v) for k, v in sections.items()}
-    old_style = any((s, k) in TRAINER_KEY_ALIASES for s, sec in sections.items() for k in sec
-                    if s == "parallel")
-    if old_style and out.get("parallel", {}).get("dp"):
-        par = out["parallel"]
-        par["dp"] = par["dp"] * par.get("ep", 1)
-    fp8 = out.get("train", {}).get("fp8")
-    par = out.get("parallel", {})
-    if "dedup" in par:  # with the older dispatcher value beside it: auto / alltoall were both the all-to-all
-        dedup, values = par.pop("dedup"), TRAINER_KEY_ALIASES[("parallel", "dedup")][2]
-        if not isinstance(dedup, bool):
-            raise ConfigError(f"parallel.dedup={dedup!r} (the older spelling of parallel.dispatcher flex / alltoall) "
-                              f"must be true or false")
-        old = par.get("dispatcher", "auto")
-        if old == "auto" and dedup:
-            par.pop("dispatcher", None)  # the default: flex, the local permutation at EP 1
-        elif old in ("auto", "alltoall"):
-            par["dispatcher"] = values[dedup]
-    for (section, key), (new_section, new_key, values) in TRAINER_KEY_ALIASES.items():
-        if key not in out.get(section, {}):
-            continue
-        value = out[section].pop(key)
-        if (section, key) == ("train", "dtype") and fp8 not in (None, "none"):
-            continue  # FP8 GEMMs set the precision; the rest of the step runs as under "auto"
-        if values is not None:
-            if value not in values or isinstance(value, bool) != any(isinstance(v, bool) for v in values):
-                allowed = ", ".join(json.dumps(v) for v in values)
-                raise ConfigError(f"{section}.{key}={value!r} (the older name of {new_section}.{new_key}) must be "
-                                  f"one of {allowed}")
-            value = values[value]
-            if value is None:
-                continue
-        target = out.setdefault(new_section, {})
-        if new_key in target and (new_section, new_key) != (section, key):
-            raise ConfigError(f"{section}.{key} is the older name of {new_section}.{new_key}; set only "
-                              f"{new_section}.{new_key}")
-        target[new_key] = value
-    for (section, key), defaults in TRAINER_DEFAULT_VALUES.items():
-        if out.get(section, {}).get(key) in defaults:
-            del out[section][key]
     return out
 
 
@@ -289,6 +235,21 @@ def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
                      f"--set train.grad_accum=N chooses another")
 
 
+def _planned_split(job: JobConfig, world: int | None) -> None:
+    """An unset ``parallel.pp_layout`` under pipelining becomes the planner's cost-balanced split of this job
+    (:func:`moetrain.plan.local.default_split`); where it is not available a note says why (the layers are then
+    split evenly)."""
+    from moetrain.plan.local import default_split
+
+    split, why = default_split(job.model, job.parallel, job.train.micro_batch_size, job.train.grad_accum,
+                               job.data.seq_len, world)
+    if split is None:
+        job.notes.append(f"parallel.pp_layout: the layers are split evenly (the planner's cost-balanced split is "
+                         f"not available here: {why})")
+    else:
+        job.parallel = job.parallel.replace(pp_layout=split)
+
+
 def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
                      world: int | Callable[[JobConfig], int | None] | None = None) -> JobConfig:
     """Build a validated JobConfig from raw sections (file contents merged with overrides).
@@ -359,6 +320,8 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         world = world(job)
     if world is not None and world >= 1:
         _resolve_ep(job, world, user_set="ep" in sections.get("parallel", {}))
+    if job.parallel.pp > 1 and job.parallel.pp_layout is None:
+        _planned_split(job, world)
     if job.parallel.ep_overlap and job.parallel.ep == 1:
         job.notes.append("parallel.ep_overlap at parallel.ep=1: there is no expert all-to-all to hide (the paired "
                          "schedule still runs, with its delayed weight gradients)")

@@ -11,7 +11,8 @@ of the data-parallel ranks of a pipeline stage, so DP counts every rank of a sta
 (TP = CP = 1: DP = EP * EDP) and ``EDP = TP * CP * DP / EP`` ranks hold the same experts. There is one meaning of DP.
 
 Older spellings (the trainer's first names) are translated once, when a job or plan is read, by
-:data:`VALUE_ALIASES` and :data:`TRAINER_KEY_ALIASES` -- the one table of them.
+:data:`VALUE_ALIASES` and :data:`TRAINER_KEY_ALIASES` -- the one table of them -- applied by
+:func:`translate_aliases`.
 
 Imports only the standard library and :mod:`moetrain.errors` (the base layer).
 """
@@ -19,6 +20,7 @@ Imports only the standard library and :mod:`moetrain.errors` (the base layer).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
@@ -178,8 +180,7 @@ VALUE_ALIASES: dict[str, dict[str, str]] = {
 
 #: The trainer's first config keys and what they are now, ``(section, key) -> (section, key, value map)``; the value
 #: map translates the old value (None: the value is kept). ``parallel.dedup`` picks the dispatcher, the two train
-#: keys become ``parallel.precision`` (see :func:`moetrain.config.translate_aliases`, which applies the table once
-#: when a job is read).
+#: keys become ``parallel.precision`` (:func:`translate_aliases` applies the table once when a job is read).
 TRAINER_KEY_ALIASES: dict[tuple[str, str], tuple[str, str, dict[Any, Any] | None]] = {
     ("parallel", "pp_schedule"): ("parallel", "schedule", None),
     ("parallel", "dispatch_dtype"): ("parallel", "dispatch_precision", None),
@@ -193,6 +194,60 @@ TRAINER_KEY_ALIASES: dict[tuple[str, str], tuple[str, str, dict[Any, Any] | None
 #: Older values of a trainer key that meant "the default" (the trainer picks the local permutation at EP = 1 by
 #: itself): dropped when read. (The older "local" is refused by name: at EP = 1 every dispatcher is local.)
 TRAINER_DEFAULT_VALUES: dict[tuple[str, str], tuple[Any, ...]] = {("parallel", "dispatcher"): ("auto",)}
+
+
+def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The trainer's older key names and values (:data:`TRAINER_KEY_ALIASES`) rewritten to today's,
+    once, when a job is read: ``parallel.pp_schedule`` -> ``parallel.schedule``, ``dispatch_dtype`` ->
+    ``dispatch_precision``, ``activation_checkpointing`` -> ``recompute``, ``dedup`` -> ``dispatcher`` (flex /
+    alltoall; the older dispatcher value "auto" means unset, "local" is left for the config to refuse by name),
+    ``train.fp8`` and ``train.dtype`` -> ``parallel.precision``. A parallel section written with older keys counted ``parallel.dp`` per expert replica
+    (ranks holding the same experts): it is multiplied by ``ep`` into today's DP, EP included.
+
+    Raises:
+        ConfigError: an older key beside its new one, or an older value that has no translation.
+    """
+    out = {k: dict(v) for k, v in sections.items()}
+    old_style = any((s, k) in TRAINER_KEY_ALIASES for s, sec in sections.items() for k in sec
+                    if s == "parallel")
+    if old_style and out.get("parallel", {}).get("dp"):
+        par = out["parallel"]
+        par["dp"] = par["dp"] * par.get("ep", 1)
+    fp8 = out.get("train", {}).get("fp8")
+    par = out.get("parallel", {})
+    if "dedup" in par:  # with the older dispatcher value beside it: auto / alltoall were both the all-to-all
+        dedup, values = par.pop("dedup"), TRAINER_KEY_ALIASES[("parallel", "dedup")][2]
+        if not isinstance(dedup, bool):
+            raise ConfigError(f"parallel.dedup={dedup!r} (the older spelling of parallel.dispatcher flex / alltoall) "
+                              f"must be true or false")
+        old = par.get("dispatcher", "auto")
+        if old == "auto" and dedup:
+            par.pop("dispatcher", None)  # the default: flex, the local permutation at EP 1
+        elif old in ("auto", "alltoall"):
+            par["dispatcher"] = values[dedup]
+    for (section, key), (new_section, new_key, values) in TRAINER_KEY_ALIASES.items():
+        if key not in out.get(section, {}):
+            continue
+        value = out[section].pop(key)
+        if (section, key) == ("train", "dtype") and fp8 not in (None, "none"):
+            continue  # FP8 GEMMs set the precision; the rest of the step runs as under "auto"
+        if values is not None:
+            if value not in values or isinstance(value, bool) != any(isinstance(v, bool) for v in values):
+                allowed = ", ".join(json.dumps(v) for v in values)
+                raise ConfigError(f"{section}.{key}={value!r} (the older name of {new_section}.{new_key}) must be "
+                                  f"one of {allowed}")
+            value = values[value]
+            if value is None:
+                continue
+        target = out.setdefault(new_section, {})
+        if new_key in target and (new_section, new_key) != (section, key):
+            raise ConfigError(f"{section}.{key} is the older name of {new_section}.{new_key}; set only "
+                              f"{new_section}.{new_key}")
+        target[new_key] = value
+    for (section, key), defaults in TRAINER_DEFAULT_VALUES.items():
+        if out.get(section, {}).get(key) in defaults:
+            del out[section][key]
+    return out
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from moetrain.layout import LAYOUT_FIELDS, Layout
 from moetrain.model.config import ModelConfig
 from moetrain.plan.counts import count_code
 from moetrain.plan.hardware import GPUSpec, gpu_from_bench
@@ -60,6 +61,49 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
                 fsdp=not (pp > 1 or ep_overlap),
                 schedule=schedule if pp > 1 else None, pp_layout=pp_layout if pp > 1 else None,
                 framework="moetrain", name="local moetrain train")
+
+
+def trainer_plan(model_cfg: ModelConfig, layout: Layout, micro_batch: int, grad_accum: int, seq_len: int) -> Plan:
+    """The planner's :class:`Plan` of a ``moetrain train`` run with ``layout`` (framework moetrain): ``grad_accum``
+    micro-batches of ``micro_batch`` sequences per step and data-parallel rank."""
+    dp = layout.dp or 1
+    return Plan(**{f: getattr(layout, f) for f in LAYOUT_FIELDS}, micro_batch=micro_batch,
+                global_batch=micro_batch * grad_accum * dp, seq_len=seq_len,
+                routing="balanced" if model_cfg.routing == "balanced" else "real", framework="moetrain",
+                name="moetrain train")
+
+
+def planned_split(model_cfg: ModelConfig, layout: Layout, micro_batch: int, grad_accum: int, seq_len: int,
+                  gpu: str = "H100") -> str:
+    """The planner's cost-balanced pipeline split of a ``moetrain train`` run (the stages
+    :func:`moetrain.plan.model.predict` balances on ``gpu``), as a Megatron layout ("Ett|ttmL").
+
+    Raises:
+        PlanError / ValueError: the planner cannot model the run (its message says why).
+    """
+    plan = trainer_plan(model_cfg, layout, micro_batch, grad_accum, seq_len)
+    world = layout.pp * (layout.dp or 1)
+    stages = predict(model_cfg, gpu, world, plan, _ignore_memory=True).details["stages"]
+    return "|".join(s.replace("d", "t") for s in stages)
+
+
+def default_split(model_cfg: ModelConfig, pcfg: Any, micro_batch: int, grad_accum: int, seq_len: int,
+                  world: int | None) -> tuple[str | None, str]:
+    """The trainer's default pipeline split: the planner's cost-balanced one (:func:`planned_split`) of a run of
+    ``pcfg`` (a ``ParallelConfig``) on ``world`` processes, checked against the trainer's stage rules. Returns
+    ``(layout, "")``, or ``(None, why)`` where the planner cannot model the run or its split does not fit the
+    trainer (the caller then splits evenly)."""
+    from moetrain.parallel.pipeline import stage_specs
+
+    dp = pcfg.dp or (world // pcfg.pp if world and world % pcfg.pp == 0 else pcfg.ep)
+    layout = pcfg.replace(dp=dp, precision=pcfg.run_precision("cuda"), fsdp=not pcfg.keeps_params_gathered,
+                          mtp_depth=None)
+    try:
+        split = planned_split(model_cfg, layout, micro_batch, grad_accum, seq_len)
+        stage_specs(model_cfg, pcfg.replace(pp_layout=split))
+    except (ValueError, KeyError) as e:  # PlanError and ConfigError are ValueErrors
+        return None, str(e)
+    return split, ""
 
 
 def predict_measured(model: Any, gpu: GPUSpec, n_gpus: int, plan: Plan) -> Prediction:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import JobConfig
-from moetrain.layout import LAYOUT_FIELDS, Dispatcher, Layout, Routing
+from moetrain.layout import LAYOUT_FIELDS, Dispatcher, Layout
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
@@ -88,13 +88,9 @@ def run_layout(job: JobConfig, pcfg: ParallelConfig, device_type: str) -> Layout
 
 def job_plan(job: JobConfig, layout: Layout) -> Any:
     """The planner's :class:`~moetrain.plan.plan.Plan` of a run of ``job`` with ``layout`` (framework moetrain)."""
-    from moetrain.plan.plan import Plan
+    from moetrain.plan.local import trainer_plan
 
-    dp = layout.dp or 1
-    return Plan(**{f: getattr(layout, f) for f in LAYOUT_FIELDS}, micro_batch=job.train.micro_batch_size,
-                global_batch=job.train.micro_batch_size * job.train.grad_accum * dp, seq_len=job.data.seq_len,
-                routing=Routing.BALANCED if job.model.routing == "balanced" else Routing.REAL,
-                framework="moetrain", name="moetrain train")
+    return trainer_plan(job.model, layout, job.train.micro_batch_size, job.train.grad_accum, job.data.seq_len)
 
 
 def predict_run(job: JobConfig, world: int, layout: Layout, plan: Any = None) -> Any:
