@@ -116,15 +116,25 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     "(model, parallel, data, train) the full meaning of its fields")
 
 
+def _plan_file(args: argparse.Namespace) -> Any:
+    """The ``--plan`` file of ``args`` (a :class:`moetrain.train.from_plan.PlanFile`), read once ("-" is standard
+    input, which can be read only once)."""
+    from moetrain.train.from_plan import read_plan
+
+    if getattr(args, "plan_file", None) is None:
+        args.plan_file = read_plan(args.plan)
+    return args.plan_file
+
+
 def _plan_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]] | None:
     """The job sections of ``--plan FILE`` (:func:`moetrain.train.from_plan.plan_job`), its process count as
     ``train.nproc`` unless ``--nproc`` is given; None without ``--plan``. Prints what of the plan is only a
     prediction's input."""
     if not getattr(args, "plan", None):
         return None
-    from moetrain.train.from_plan import plan_job, read_plan
+    from moetrain.train.from_plan import plan_job
 
-    pj = plan_job(read_plan(args.plan))
+    pj = plan_job(_plan_file(args))
     print(f"[moetrain] --plan {args.plan}: prediction-only, not run: {'; '.join(pj.prediction_only)}")
     sections = {k: dict(v) for k, v in pj.sections.items()}
     if getattr(args, "nproc", None) is None:
@@ -211,11 +221,9 @@ def _cmd_train_or_help(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
 
-    plan = None
-    if getattr(args, "plan", None) and args.dry_run:  # the dry run sets the run beside the plan's prediction
-        from moetrain.train.from_plan import read_plan
-        plan = read_plan(args.plan)
-    summary = train_main(job_from_args(args), dry_run=args.dry_run, world=args.world, plan=plan)
+    job = job_from_args(args)
+    plan = _plan_file(args) if getattr(args, "plan", None) and args.dry_run else None  # set beside the run
+    summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan)
     if summary and summary.get("stopped"):  # a clean stop on SIGINT/SIGTERM (moetrain.train.stopping)
         from moetrain.train.stopping import resume_command, stop_line
         if "RANK" not in os.environ:  # under torchrun rank 0 printed it already

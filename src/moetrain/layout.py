@@ -167,9 +167,13 @@ class Routing(Name):
 class Framework(Name):
     """Training frameworks whose recipe defaults and runnable plans the planner knows (a prediction-only setting)."""
 
+    #: NVIDIA Megatron-Core (the published records): alltoall dispatcher, eager unless graphs are set
     MEGATRON = "megatron"
+    #: DeepSeek-V3's own framework (report sec. 3.2): DeepEP-style flex dispatch, DualPipe
     DEEPSEEK = "deepseek"
+    #: PyTorch TorchTitan: all-to-all of (token, expert) rows, eager
     TORCHTITAN = "torchtitan"
+    #: this package's trainer: the flex (dedup) dispatcher, eager PyTorch
     MOETRAIN = "moetrain"
 
 

@@ -70,7 +70,7 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True)
 class ParallelConfig(Layout):
-    """How the world is split and what the step runs in: the trainer's :class:`~moetrain.layout.Layout`.
+    """How the world is split and what the step runs in: the trainer's layout (a ``moetrain.layout.Layout``).
 
     World = PP x DP (TP = CP = 1). A pipeline stage is DP ranks, every one of which sees different data (the ranks of
     one pipeline, one per stage, see the same); EP is carved out of them, as in Megatron-Core and TorchTitan: EP

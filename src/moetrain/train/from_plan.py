@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,16 +61,21 @@ class PlanFile:
 
 
 def read_plan(path: str | Path) -> PlanFile:
-    """The plan of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone).
+    """The plan of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone); "-" reads
+    it from standard input (``moetrain plan ... --json | moetrain train --plan -``).
 
     Raises:
         ConfigError: the file is missing or not such JSON, or names a field a plan does not have.
     """
     p = Path(path)
-    if p.is_file() and not p.read_text(errors="replace").strip():
+    try:
+        text = sys.stdin.read() if str(path) == "-" else p.read_text(errors="replace")
+    except OSError as e:
+        raise ConfigError(f"--plan {path}: cannot read it ({e}); write one with `moetrain plan ... --json > "
+                          f"{p.name}`") from None
+    if not text.strip():
         raise ConfigError(f"--plan {path} is empty (did `moetrain plan` fail when it was written?)")
     try:
-        text = p.read_text()
         data = json.loads(text[text.index("{"):])
     except (OSError, ValueError) as e:
         raise ConfigError(f"--plan {path}: not a readable `moetrain plan --json` output ({type(e).__name__}: {e}); "
