@@ -7,8 +7,8 @@
    experts without gathering them.
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
 3. Activation checkpointing of every block (main and MTP), if asked.
-4. FSDP2 ``fully_shard``: expert weights over the DP mesh (ranks holding the same experts), then every block and the
-   root over all ranks of the stage (the flattened dp x ep mesh). Gradients are *summed*, not averaged (divide
+4. FSDP2 ``fully_shard``: expert weights over the EDP mesh (ranks holding the same experts), then every block and the
+   root over all ranks of the stage (the flattened edp x ep mesh: DP). Gradients are *summed*, not averaged (divide
    factor 1): the trainer normalises the loss by global token and sequence counts, so the summed gradient is the
    gradient of the global mean loss whatever the split over ranks and micro-batches. Expert weights receive every EP
    peer's tokens through the all-to-all backward, so summing over DP completes their sum over all tokens. On GPU a
@@ -81,7 +81,7 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
-        dp = ctx.dp_mesh.size()
+        edp = ctx.edp_mesh.size()
         # Pipelined, a stage runs forward and backward of several micro-batches interleaved, and the zero-bubble
         # schedules compute weight gradients after the input gradients: parameters stay gathered from the first
         # forward to the end of the step (as TorchTitan does under PP), one all-gather per stage and step instead
@@ -93,8 +93,8 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         keep = pcfg.keeps_params_gathered
         for moe in model.moe_layers():
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
-            fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,
-                        shard_placement_fn=lambda p: expert_shard_dim(p.shape, dp), **kw)
+            fully_shard(moe.experts, mesh=ctx.edp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,
+                        shard_placement_fn=lambda p: expert_shard_dim(p.shape, edp), **kw)
         for block in blocks:
             fully_shard(block, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
         # The root (embedding, final norm, output head, the MTP modules' own weights) stays gathered after forward,
@@ -109,12 +109,13 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     return model
 
 
-def expert_shard_dim(shape: tuple[int, ...], dp: int) -> Shard:
-    """The dim FSDP2 shards a stacked expert weight (E, N, K) on over DP: the first of dim 1 (2F or D) and dim 2 that
-    DP divides -- dim 0 is already split over EP, and FSDP2 refuses uneven shards of any dim but 0 -- else dim 0
-    (a strided split of the EP shard when EP > 1; uneven is allowed there, e.g. DP = 3)."""
+def expert_shard_dim(shape: tuple[int, ...], edp: int) -> Shard:
+    """The dim FSDP2 shards a stacked expert weight (E, N, K) on over the EDP ranks holding the same experts: the
+    first of dim 1 (2F or D) and dim 2 that EDP divides -- dim 0 is already split over EP, and FSDP2 refuses uneven
+    shards of any dim but 0 -- else dim 0 (a strided split of the EP shard when EP > 1; uneven is allowed there,
+    e.g. EDP = 3)."""
     for d in (1, 2):
-        if shape[d] % dp == 0:
+        if shape[d] % edp == 0:
             return Shard(d)
     return Shard(0)
 
