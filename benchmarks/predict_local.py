@@ -82,7 +82,7 @@ def main() -> int:
     try:
         pred = predict_local_train(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum,
                                    world=world, ep=ep, bench_json=bench,
-                                   activation_checkpointing=job.parallel.activation_checkpointing)
+                                   activation_checkpointing=job.parallel.recompute == "full")
     except ValueError as e:  # PlanError / HardwareError: e.g. a bench of another process count
         print(f"predict_local: {e}", file=sys.stderr)
         return 2

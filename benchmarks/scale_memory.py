@@ -284,7 +284,7 @@ def driver_main(a: argparse.Namespace) -> int:
     job = load_job_config(None, job_sets(a.preset, a.experts, a.ep))
     ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
     tc, cfg = job.train, job.model
-    rec: dict[str, Any] = {"rank": ctx.rank, "dp": ctx.pcfg.dp, "ep": ctx.pcfg.ep, "mode": a.mode,
+    rec: dict[str, Any] = {"rank": ctx.rank, "dp": ctx.pcfg.edp, "ep": ctx.pcfg.ep, "mode": a.mode,
                            "rss_after_imports_and_init": _proc_status()["VmRSS"], "phases": []}
     g = torch.Generator().manual_seed(1000 + ctx.rank)
     held: dict[str, Any] = {}
@@ -550,7 +550,8 @@ def run_layout(dp: int, ep: int, a: argparse.Namespace, work: Path, log=print) -
                 rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
                 runs = [r for r in rows if r.get("kind") == "run"]
                 trains = [r for r in rows if r.get("kind") == "train"]
-                res["resumed"] = {"run_records": [{"step": r["step"], "dp": r["dp"], "ep": r["ep"]} for r in runs],
+                res["resumed"] = {"run_records": [{"step": r["step"], "dp": r["dp"] // r["ep"], "ep": r["ep"]}
+                                                  for r in runs]  # this benchmark's DP: ranks per expert replica,
                                   "train_steps": [(r["step"], round(r["loss"], 4)) for r in trains]}
             out["cli"][name] = res
             peaks = worker_peaks(res)

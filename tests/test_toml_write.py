@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import sys
 import typing
@@ -78,6 +79,8 @@ def _adversarial(tp: typing.Any, i: int) -> typing.Any:
         return NASTY_STRINGS[i % len(NASTY_STRINGS)]
     if origin in (list, tuple):
         return [_adversarial(args[0], i + j) for j in range(3)]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a closed set of names (moetrain.layout): plain strings
+        return list(tp)[i % len(tp)].value
     raise AssertionError(f"config field type {tp!r} has no test value: extend the writer's test")
 
 

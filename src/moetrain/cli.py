@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def _model_from_arg(arg: str):
@@ -88,7 +89,7 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     f"preset's ({eps}), lowered to the largest size that divides the processes and the experts; "
                     f"set, it must divide the processes)")
     ap.add_argument("--pp", type=int, metavar="N", help="pipeline-parallel stages (--set parallel.pp=N; default 1); "
-                    "the schedule is parallel.pp_schedule (1f1b, interleaved-1f1b with parallel.vpp, dualpipev, zbv)")
+                    "the schedule is parallel.schedule (1f1b, interleaved with parallel.vpp, dualpipev, zbv)")
     ap.add_argument("--nproc", type=int, metavar="N", help="local worker processes (--set train.nproc=N; default "
                     f"{demo.train.nproc} = one per GPU, 2 on CPU)")
     ap.add_argument("--out", metavar="DIR", help=f"run directory (--set train.out_dir=\"DIR\"; default "
@@ -100,10 +101,11 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--init-from", metavar="HF_DIR", help="start from released weights: a HF checkpoint directory "
                     "(config.json + safetensors); its config.json gives the model unless --preset is given; "
                     "--set model.X=... still overrides fields (--set train.init_from=\"HF_DIR\"; default: none)")
-    ap.add_argument("--plan", metavar="FILE", help="run the plan of a `moetrain plan ... --json` output: its PP, VPP, "
-                    "EP, DP, schedule, layout, batch, sequence, recompute and routing (and, unless --nproc, its "
-                    "process count); a plan the trainer cannot run yet is refused with what is missing. --set and "
-                    "the other options still override it")
+    ap.add_argument("--plan", metavar="FILE", help="run exactly the plan of a `moetrain plan ... --json` output: its "
+                    "layout field for field (sizes, schedule, the predicted pipeline split, dispatcher, precision, "
+                    "recompute, overlap, FSDP), MTP depth, batch, sequence and routing (and, unless --nproc, its "
+                    "process count); every field the trainer cannot run is refused by name before anything starts. "
+                    "--set and the other options still override it")
     ap.add_argument("--dry-run", action="store_true", help="all set-up (checks, data, mesh, meta build, parallelize, "
                     "materialise, --init-from), no step; print each rank's parameters, gradient and optimizer bytes, "
                     "measured peak memory and the performance model's prediction")
@@ -114,15 +116,34 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     "(model, parallel, data, train) the full meaning of its fields")
 
 
+def _plan_file(args: argparse.Namespace) -> Any:
+    """The ``--plan`` file of ``args`` (a :class:`moetrain.train.from_plan.PlanFile`), read once ("-" is standard
+    input, which can be read only once)."""
+    from moetrain.train.from_plan import read_plan
+
+    if getattr(args, "plan_file", None) is None:
+        args.plan_file = read_plan(args.plan)
+    return args.plan_file
+
+
+def _plan_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]] | None:
+    """The job sections of ``--plan FILE`` (:func:`moetrain.train.from_plan.plan_job`), its process count as
+    ``train.nproc`` unless ``--nproc`` is given; None without ``--plan``. Prints what of the plan is only a
+    prediction's input."""
+    if not getattr(args, "plan", None):
+        return None
+    from moetrain.train.from_plan import plan_job
+
+    pj = plan_job(_plan_file(args))
+    print(f"[moetrain] --plan {args.plan}: prediction-only, not run: {'; '.join(pj.prediction_only)}")
+    sections = {k: dict(v) for k, v in pj.sections.items()}
+    if getattr(args, "nproc", None) is None:
+        sections["train"]["nproc"] = pj.world
+    return sections
+
+
 def _sets_from_args(args: argparse.Namespace) -> list[str]:
-    sets = []
-    if getattr(args, "plan", None):
-        from moetrain.train.from_plan import plan_overrides, read_plan
-        plan_sets, world = plan_overrides(read_plan(args.plan))
-        sets += plan_sets
-        if getattr(args, "nproc", None) is None:
-            sets.append(f"train.nproc={world}")
-    sets += list(args.set)
+    sets = list(args.set)
     if args.preset:
         sets.append(f"model.preset={json.dumps(args.preset)}")
     if args.data:
@@ -164,7 +185,8 @@ def job_from_args(args: argparse.Namespace, fit_world: bool = True):
     and print a note when it is lowered."""
     from moetrain.config import load_job_config
 
-    job = load_job_config(args.config, _sets_from_args(args), world=_launch_world(args) if fit_world else None)
+    job = load_job_config(args.config, _sets_from_args(args), world=_launch_world(args) if fit_world else None,
+                          plan=_plan_sections(args))
     for note in job.notes:
         print(f"[moetrain] note: {note}")
     return job
@@ -199,7 +221,9 @@ def _cmd_train_or_help(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
 
-    summary = train_main(job_from_args(args), dry_run=args.dry_run, world=args.world)
+    job = job_from_args(args)
+    plan = _plan_file(args) if getattr(args, "plan", None) and args.dry_run else None  # set beside the run
+    summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan)
     if summary and summary.get("stopped"):  # a clean stop on SIGINT/SIGTERM (moetrain.train.stopping)
         from moetrain.train.stopping import resume_command, stop_line
         if "RANK" not in os.environ:  # under torchrun rank 0 printed it already

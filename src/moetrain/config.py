@@ -50,6 +50,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
+from moetrain.layout import Schedule, translate_aliases
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
@@ -220,8 +221,8 @@ def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
     them; a set one is kept (the tokens per step then grow). The note says what changed: validation runs
     ``train.eval_batches`` micro-batches, so a smaller micro-batch also validates on fewer sequences."""
     pcfg, tc = job.parallel, job.train
-    need = pcfg.n_stages if pcfg.pp_schedule == "dualpipev" else pcfg.pp
-    if tc.grad_accum >= need and (pcfg.pp_schedule != "interleaved-1f1b" or tc.grad_accum % pcfg.pp == 0):
+    need = pcfg.n_stages if pcfg.schedule == Schedule.DUALPIPEV else pcfg.pp
+    if tc.grad_accum >= need and (pcfg.schedule != Schedule.INTERLEAVED or tc.grad_accum % pcfg.pp == 0):
         return
     seqs = tc.micro_batch_size * tc.grad_accum
     split = not mbs_set and seqs % need == 0 and seqs >= need
@@ -229,9 +230,24 @@ def _pipeline_microbatches(job: JobConfig, mbs_set: bool) -> None:
     job.train = dataclasses.replace(tc, grad_accum=need, micro_batch_size=mbs)
     kept = (f"the {seqs} sequences per pipeline and step kept, validation on {tc.eval_batches} micro-batches of "
             f"{mbs}" if split else f"{mbs * need} sequences per pipeline and step (was {seqs})")
-    job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.pp_schedule="
-                     f"{pcfg.pp_schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step ({kept}); "
+    job.notes.append(f"train.grad_accum={need}, train.micro_batch_size={mbs}: parallel.schedule="
+                     f"{pcfg.schedule!r} at parallel.pp={pcfg.pp} needs {need} micro-batches per step ({kept}); "
                      f"--set train.grad_accum=N chooses another")
+
+
+def _planned_split(job: JobConfig, world: int | None) -> None:
+    """An unset ``parallel.pp_layout`` under pipelining becomes the planner's cost-balanced split of this job
+    (:func:`moetrain.plan.local.default_split`); where it is not available a note says why (the layers are then
+    split evenly)."""
+    from moetrain.plan.local import default_split
+
+    split, why = default_split(job.model, job.parallel, job.train.micro_batch_size, job.train.grad_accum,
+                               job.data.seq_len, world)
+    if split is None:
+        job.notes.append(f"parallel.pp_layout: the layers are split evenly (the planner's cost-balanced split is "
+                         f"not available here: {why})")
+    else:
+        job.parallel = job.parallel.replace(pp_layout=split)
 
 
 def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
@@ -252,7 +268,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         ConfigError / ValueError: naming the offending field and the fix. DataError: ``data.tokenizer`` cannot be
         loaded (it is read to size the model's vocabulary).
     """
-    sections = {k: dict(v) for k, v in (sections or {}).items()}
+    sections = translate_aliases(sections or {})
     model_raw = sections.get("model", {})
     preset = model_raw.pop("preset", None)
     hf_config = model_raw.pop("hf_config", None)
@@ -304,6 +320,8 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         world = world(job)
     if world is not None and world >= 1:
         _resolve_ep(job, world, user_set="ep" in sections.get("parallel", {}))
+    if job.parallel.pp > 1 and job.parallel.pp_layout is None:
+        _planned_split(job, world)
     if job.parallel.ep_overlap and job.parallel.ep == 1:
         job.notes.append("parallel.ep_overlap at parallel.ep=1: there is no expert all-to-all to hide (the paired "
                          "schedule still runs, with its delayed weight gradients)")
@@ -311,11 +329,14 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
 
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                    world: int | Callable[[JobConfig], int | None] | None = None) -> JobConfig:
-    """File (optional) + ``section.field=value`` overrides -> validated JobConfig (``world``: see
-    :func:`build_job_config`)."""
-    sections = read_config_file(path) if path else {}
-    return build_job_config(_merge(sections, parse_overrides(overrides or [])), world)
+                    world: int | Callable[[JobConfig], int | None] | None = None,
+                    plan: dict[str, dict[str, Any]] | None = None) -> JobConfig:
+    """File (optional), then a plan's sections (``plan``, from :func:`moetrain.train.from_plan.plan_job`), then
+    ``section.field=value`` overrides -> validated JobConfig (``world``: see :func:`build_job_config`). Each source's
+    older key names are translated on its own, so a newer name in one and an older in the next override each other."""
+    sections = translate_aliases(read_config_file(path)) if path else {}
+    sections = _merge(sections, plan or {})
+    return build_job_config(_merge(sections, translate_aliases(parse_overrides(overrides or []))), world)
 
 
 def save_job_config(job: JobConfig, path: str | Path) -> Path:
@@ -337,6 +358,7 @@ def save_job_config(job: JobConfig, path: str | Path) -> Path:
 
 def job_config_from_dict(d: dict[str, Any]) -> JobConfig:
     """Inverse of JobConfig.to_dict (used to ship the config to worker processes)."""
+    d = {**d, **translate_aliases({s: d[s] for s in ("parallel", "train")})}
     return JobConfig(model=ModelConfig.from_dict(d["model"]), parallel=ParallelConfig(**d["parallel"]),
                      data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]), preset=d.get("preset", "tiny"))
 

@@ -14,7 +14,7 @@ from moetrain.parallel.parallelize import parallelize
 def _run(recompute: bool):
     cfg = tiny().replace(vocab_size=128, max_seq_len=64)
     model = build_model(cfg, seed=0)
-    ctx = ParallelContext(0, 1, 0, torch.device("cpu"), ParallelConfig(ep=1, activation_checkpointing=recompute, capacity_factor=1.0))
+    ctx = ParallelContext(0, 1, 0, torch.device("cpu"), ParallelConfig(ep=1, recompute="full" if recompute else "none", capacity_factor=1.0))
     parallelize(model, ctx)
     assert all(b.recompute == recompute for b in model.layers)
     tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(0))

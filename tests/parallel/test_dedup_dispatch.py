@@ -59,7 +59,7 @@ def test_dedup_and_per_assignment_layers_agree_and_dedup_sends_fewer_rows():
     # (test_local_and_alltoall_dispatchers_agree covers the default, dedup, path with overlap off as well.)
     for extra in ({}, {"n_chunks": 2}):
         dedup = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, **extra}, 24, 0.5))
-        plain = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, "dedup": False, **extra}, 24, 0.5))
+        plain = ok_values(run_ranks(2, moe_layer_run, {"ep": 2, "dispatcher": "alltoall", **extra}, 24, 0.5))
         for run, label in ((dedup, "dedup"), (plain, "per assignment")):
             torch.testing.assert_close(torch.cat([r["y"] for r in run]), ref["y"],
                                        msg=lambda m, lb=label: f"{lb} {extra}: {m}")
@@ -75,7 +75,7 @@ def test_dedup_and_per_assignment_layers_agree_and_dedup_sends_fewer_rows():
 def test_all_tokens_to_one_rank_send_one_row_each():
     """All tokens pick experts 0..K-1 (rank 0): rank 0 sends nothing to rank 1; rank 1 sends each token once."""
     ranks = ok_values(run_ranks(2, train_run, {"ep": 2}, 1, 2, None, True, ADAM_EPS))
-    plain = ok_values(run_ranks(2, train_run, {"ep": 2, "dedup": False}, 1, 2, None, True, ADAM_EPS))
+    plain = ok_values(run_ranks(2, train_run, {"ep": 2, "dispatcher": "alltoall"}, 1, 2, None, True, ADAM_EPS))
     tokens_per_rank_per_step = 4 * 32  # GLOBAL_SEQS / 2 ranks x SEQ_LEN
     K = 4
     for layer, layer_plain in zip(ranks[0]["comm"], plain[0]["comm"]):
@@ -90,8 +90,10 @@ def test_dedup_flag_validated_and_capacity_mode_keeps_per_assignment_path():
     from moetrain.model.moe import CapacityConfig
     from moetrain.parallel.dispatch import AllToAllDispatcher
 
-    with pytest.raises(ConfigError, match="parallel.dedup"):
-        ParallelConfig(dedup="yes")  # type: ignore[arg-type]
+    from moetrain.config import build_job_config
+
+    with pytest.raises(ConfigError, match="parallel.dedup"):  # the older spelling, translated when a job is read
+        build_job_config({"parallel": {"dedup": "yes"}})
     assert ParallelConfig().dedup is True
     assert AllToAllDispatcher(16, 2, 0, None).dedup
     assert not AllToAllDispatcher(16, 2, 0, None, dedup=False).dedup
@@ -104,5 +106,5 @@ def test_all_to_all_calls_per_layer_match_the_declared_counts(dedup):
     from moetrain.parallel.dispatch import AllToAllDispatcher
 
     want = AllToAllDispatcher.CALLS_DEDUP if dedup else AllToAllDispatcher.CALLS_PER_ASSIGNMENT
-    for fwd_bwd in ok_values(run_ranks(2, a2a_calls_run, {"ep": 2, "dedup": dedup})):
+    for fwd_bwd in ok_values(run_ranks(2, a2a_calls_run, {"ep": 2, "dispatcher": "flex" if dedup else "alltoall"})):
         assert tuple(fwd_bwd) == want

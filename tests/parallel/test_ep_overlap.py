@@ -28,7 +28,7 @@ def reference():
 @pytest.mark.dist
 @pytest.mark.parametrize("kw", [
     {"ep": 2, "ep_overlap": True},
-    pytest.param({"ep": 2, "ep_overlap": True, "dedup": False, "dispatch_dtype": "bf16"}, marks=pytest.mark.slow),
+    pytest.param({"ep": 2, "ep_overlap": True, "dispatcher": "alltoall", "dispatch_precision": "bf16"}, marks=pytest.mark.slow),
 ])
 def test_overlapped_training_matches_single_process(reference, kw):
     ranks = ok_values(run_ranks(2, pipeline_train_run, kw, 3))
@@ -38,7 +38,7 @@ def test_overlapped_training_matches_single_process(reference, kw):
 @pytest.mark.dist
 def test_fp8_dispatch_under_overlap_matches_it_without():
     """FP8 rows on the wire (quantised on send, straight-through gradient): the same with and without pairing."""
-    kw = {"ep": 2, "dispatch_dtype": "fp8"}
+    kw = {"ep": 2, "dispatch_precision": "fp8"}
     off = ok_values(run_ranks(2, pipeline_train_run, kw, 2))
     on = ok_values(run_ranks(2, pipeline_train_run, {**kw, "ep_overlap": True}, 2))
     for a, b in zip(off, on):
@@ -114,18 +114,18 @@ def test_overlapped_schedule_issues_phases_interleaved():
 @pytest.mark.dist
 @pytest.mark.parametrize("kw", [
     # (2, 1) has no all-to-all boundaries: its tapes are single segments, a path (2, 2) runs too
-    pytest.param({"pp": 2, "ep": 1, "pp_schedule": "dualpipev"}, marks=pytest.mark.slow),
-    {"pp": 2, "ep": 2, "pp_schedule": "dualpipev"},
-    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "pp_schedule": "interleaved-1f1b"}, marks=pytest.mark.slow),
-    pytest.param({"pp": 2, "ep": 2, "pp_schedule": "1f1b"}, marks=pytest.mark.slow),
-    pytest.param({"pp": 2, "dp": 2, "ep": 1, "pp_schedule": "dualpipev"}, marks=pytest.mark.slow),
+    pytest.param({"pp": 2, "ep": 1, "schedule": "dualpipev"}, marks=pytest.mark.slow),
+    {"pp": 2, "ep": 2, "schedule": "dualpipev"},
+    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "schedule": "interleaved"}, marks=pytest.mark.slow),
+    pytest.param({"pp": 2, "ep": 2, "schedule": "1f1b"}, marks=pytest.mark.slow),
+    pytest.param({"pp": 2, "dp": 2, "ep": 1, "schedule": "dualpipev"}, marks=pytest.mark.slow),
 ])
 def test_pipelined_overlap_matches_single_process(reference, kw):
     """OVERLAP_F_B under pipelining (dualpipev's own pairs; 1F1B's merged steady state): the same losses,
     parameters and biases as the single process (and so as the schedule without pairing, which test_pipeline
     checks against the same reference)."""
-    kw = {"dp": 1, **kw, "ep_overlap": True}
-    ranks = ok_values(run_ranks(kw["pp"] * kw["dp"] * kw["ep"], pipeline_train_run, kw, 3))
+    kw = {"dp": kw["ep"], **kw, "ep_overlap": True}  # dp counts the EP ranks (one expert replica unless given)
+    ranks = ok_values(run_ranks(kw["pp"] * kw["dp"], pipeline_train_run, kw, 3))
     _check_against(reference, ranks, kw)
 
 
@@ -143,13 +143,13 @@ def _pairs(events):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("kw", [
-    {"pp": 2, "ep": 2, "pp_schedule": "dualpipev"},
-    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "pp_schedule": "interleaved-1f1b"}, marks=pytest.mark.slow),
+    {"pp": 2, "ep": 2, "schedule": "dualpipev"},
+    pytest.param({"pp": 2, "vpp": 2, "ep": 2, "schedule": "interleaved"}, marks=pytest.mark.slow),
 ])
 def test_pipelined_overlap_interleaves_the_paired_chunks(kw):
     """Each OVERLAP_F_B's forward and backward chunks interleave phase by phase on the rank: between the
     forward's all-to-all issues run the backward's steps, each issuing its reverse all-to-all."""
-    kw = {"dp": 1, **kw, "ep_overlap": True}
+    kw = {"dp": kw["ep"], **kw, "ep_overlap": True}  # dp counts the EP ranks
     ranks = ok_values(run_ranks(4, overlap_events_run, kw, 4, 8))
     # validation after the step (dualpipev runs it as a training step with a zero loss): the same on every rank
     assert all(r["val"] == ranks[0]["val"] and 0 < r["val"] < 20 for r in ranks), [r["val"] for r in ranks]
@@ -162,7 +162,7 @@ def test_pipelined_overlap_interleaves_the_paired_chunks(kw):
         pairs = _pairs(events)
         assert len(pairs) >= 2, (pp_rank, pairs, events)
         for f, b in pairs:
-            assert f.split("mb")[0] != b.split("mb")[0] or kw["pp_schedule"] != "dualpipev", (f, b)
+            assert f.split("mb")[0] != b.split("mb")[0] or kw["schedule"] != "dualpipev", (f, b)
             assert _check_pair(events, f, b) >= 2, (f, b)  # real interleaving, not one after the other
         # every micro-batch's backward of every stage ran once per segment, last segment first
         tapes = {m for m, _, _ in events}
@@ -203,13 +203,13 @@ def test_paired_fraction_counts_the_pairs_of_the_schedule_the_trainer_runs():
     assert paired_fraction("zbv", 2, 2, 4) == [0.0, 0.0]
     dv = paired_fraction("dualpipev", 4, 2, 64)
     assert len(dv) == 4 and all(0.85 < f < 1.0 for f in dv), dv
-    il = paired_fraction("interleaved-1f1b", 2, 2, 8)
+    il = paired_fraction("interleaved", 2, 2, 8)
     assert all(0 < f < 1 for f in il) and il[0] < il[1], il  # rank 0 warms up longest
     assert paired_fraction("dualpipev", 4, 2, 7) == [0.0] * 4  # fewer than the 8 it needs: refused by the trainer
 
 
 @pytest.mark.parametrize("schedule,pp,vpp,m", [("1f1b", 4, 1, 40), ("dualpipev", 2, 2, 48), ("dualpipev", 3, 2, 50),
-                                               ("interleaved-1f1b", 2, 2, 40), ("interleaved-1f1b", 4, 2, 64)])
+                                               ("interleaved", 2, 2, 40), ("interleaved", 4, 2, 64)])
 def test_paired_fraction_past_the_counting_size_equals_the_full_count(schedule, pp, vpp, m):
     """Past 4 PP x stages per rank micro-batches the unpaired passes are counted at that size: the same as counting
     the whole order (warm-up and cool-down no longer grow)."""
@@ -220,8 +220,8 @@ def test_paired_fraction_past_the_counting_size_equals_the_full_count(schedule, 
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"pp": 2, "pp_schedule": "zbv", "ep_overlap": True}, "pp_schedule='zbv'"),
-    ({"activation_checkpointing": True, "ep_overlap": True}, "activation_checkpointing"),
+    ({"pp": 2, "schedule": "zbv", "ep_overlap": True}, "schedule='zbv'"),
+    ({"recompute": "full", "ep_overlap": True}, "recompute='full'"),
     ({"n_chunks": 2, "ep_overlap": True}, "n_chunks=2"),
     ({"overlap": False, "ep_overlap": True}, "parallel.overlap=false"),
     ({"ep_overlap": "yes"}, "must be true or false"),
@@ -233,13 +233,17 @@ def test_ep_overlap_refuses_what_it_does_not_combine_with(kw, msg):
 
 def test_plan_files_map_ep_overlap_to_the_schedule_the_trainer_runs():
     from moetrain.plan.local import local_plan
-    from moetrain.train.from_plan import plan_overrides
+    from moetrain.train.from_plan import PlanFile, plan_from_dict, plan_job
     from .workers import tiny_test_config
+
+    def plan_overrides(d):
+        pj = plan_job(PlanFile(plan_from_dict(d)))
+        return pj.sections["parallel"], pj.world
 
     plan = local_plan(tiny_test_config(), 32, 2, 2, world=2, ep=2, ep_overlap=True)
     assert plan.overlap_schedule == "paired-microbatch"  # the planner models the schedule the trainer runs
-    sets, world = plan_overrides(plan.to_dict())
-    assert "parallel.ep_overlap=true" in sets and world == 2
+    par, world = plan_overrides(plan.to_dict())
+    assert par["ep_overlap"] is True and world == 2
     piped = local_plan(tiny_test_config(), 32, 2, 4, world=4, ep=2, pp=2, vpp=2, schedule="dualpipev",
                        ep_overlap=True)
     assert piped.overlap_schedule == "dualpipev"
@@ -247,8 +251,8 @@ def test_plan_files_map_ep_overlap_to_the_schedule_the_trainer_runs():
                       ep_overlap=False).overlap_schedule is None  # the trainer's dualpipev pairs only with it
     assert local_plan(tiny_test_config(), 32, 2, 4, world=4, ep=2, pp=2,
                       ep_overlap=True).overlap_schedule == "combined-1f1b"
-    sets, world = plan_overrides(piped.to_dict())
-    assert "parallel.ep_overlap=true" in sets and 'parallel.pp_schedule="dualpipev"' in sets and world == 4
+    par, world = plan_overrides(piped.to_dict())
+    assert par["ep_overlap"] is True and par["schedule"] == "dualpipev" and world == 4
     with pytest.raises(ConfigError, match="zbv"):
         plan_overrides({**piped.to_dict(), "schedule": "zbv"})
     with pytest.raises(ConfigError, match="cannot run this plan yet: .*full recompute.*--recompute none"):

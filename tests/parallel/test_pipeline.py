@@ -46,14 +46,14 @@ def _check_against(reference, ranks, what):
 @pytest.mark.dist
 @pytest.mark.parametrize("pp,vpp,dp,ep,schedule", [
     (2, 1, 1, 1, "1f1b"),
-    (2, 2, 1, 1, "interleaved-1f1b"),
+    (2, 2, 1, 1, "interleaved"),
     (2, 1, 1, 1, "dualpipev"),
     (2, 1, 1, 1, "zbv"),
     pytest.param(2, 1, 2, 2, "1f1b", marks=pytest.mark.slow),
     pytest.param(4, 1, 1, 1, "1f1b", marks=pytest.mark.slow),
 ])
 def test_pipelined_training_matches_single_process(reference, pp, vpp, dp, ep, schedule):
-    kw = {"pp": pp, "vpp": vpp, "dp": dp, "ep": ep, "pp_schedule": schedule}
+    kw = {"pp": pp, "vpp": vpp, "dp": dp * ep, "ep": ep, "schedule": schedule}  # dp counts the EP ranks too
     ranks = ok_values(run_ranks(pp * dp * ep, pipeline_train_run, kw, 3))
     _check_against(reference, ranks, kw)
     for r in ranks:  # the schedule ran and was timed: compute time never exceeds the step
@@ -64,9 +64,9 @@ def test_pipelined_training_matches_single_process(reference, pp, vpp, dp, ep, s
 def test_default_layout_and_stage_mapping():
     cfg = tiny_test_config(n_layers=6)
     assert default_layout(cfg, 4) == "Ett|tt|t|t" + "m" * cfg.mtp_depth + "L"
-    v = ParallelConfig(pp=2, pp_schedule="dualpipev")
+    v = ParallelConfig(pp=2, schedule="dualpipev")
     assert local_stages(v, 0) == [0, 3] and local_stages(v, 1) == [1, 2]
-    loop = ParallelConfig(pp=2, vpp=2, pp_schedule="interleaved-1f1b")
+    loop = ParallelConfig(pp=2, vpp=2, schedule="interleaved")
     assert local_stages(loop, 0) == [0, 2] and local_stages(loop, 1) == [1, 3]
     specs = stage_specs(cfg, ParallelConfig(pp=2, pp_layout="Et*4|t*2mL"))
     assert [s.layers for s in specs] == [(0, 1, 2, 3), (4, 5)]
@@ -90,20 +90,21 @@ def test_bad_layouts_fail_at_once_with_the_count(layout, pp, msg):
 
 def test_too_few_layers_and_bad_schedule_settings():
     with pytest.raises(ConfigError, match="cannot fill 8 pipeline stages"):
-        stage_specs(tiny_test_config(n_layers=6), ParallelConfig(pp=4, vpp=2, pp_schedule="interleaved-1f1b"))
-    with pytest.raises(ConfigError, match="needs parallel.pp_schedule='interleaved-1f1b'"):
+        stage_specs(tiny_test_config(n_layers=6), ParallelConfig(pp=4, vpp=2, schedule="interleaved"))
+    with pytest.raises(ConfigError, match="needs parallel.schedule='interleaved'"):
         ParallelConfig(pp=2, vpp=2)
-    with pytest.raises(ConfigError, match="allowed: 1f1b, interleaved-1f1b, dualpipev, zbv"):
-        ParallelConfig(pp=2, pp_schedule="gpipe")
+    with pytest.raises(ConfigError, match="allowed: 1f1b, interleaved, dualpipe, dualpipev, zbv"):
+        ParallelConfig(pp=2, schedule="gpipe")
     with pytest.raises(ConfigError, match="not divisible by parallel.pp=2"):
         ParallelConfig(pp=2).resolve(3, 8)
-    assert ParallelConfig(pp=2, ep=2).resolve(8, 8).dp == 2
+    assert ParallelConfig(pp=2, ep=2).resolve(8, 8).edp == 2  # ranks holding the same experts (dp = 4 / ep = 2)
+    assert ParallelConfig(pp=2, ep=2).resolve(8, 8).dp == 4  # Megatron's DP: every rank of a stage
 
 
 def test_bubble_formula():
     # (p - 1) / (v m + p - 1): Narayanan et al. 2021
     assert bubble_formula(ParallelConfig(pp=2), 4) == pytest.approx(1 / 5)
-    assert bubble_formula(ParallelConfig(pp=2, vpp=2, pp_schedule="interleaved-1f1b"), 4) == pytest.approx(1 / 9)
+    assert bubble_formula(ParallelConfig(pp=2, vpp=2, schedule="interleaved"), 4) == pytest.approx(1 / 9)
     assert bubble_formula(ParallelConfig(pp=1), 4) == 0.0
 
 
@@ -117,8 +118,8 @@ def _merged(ranks):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("save_kw,load_kw", [
-    ({"pp": 2, "pp_schedule": "1f1b"}, {"pp": 1}),
-    ({"pp": 1}, {"pp": 2, "pp_schedule": "dualpipev"}),  # the V puts the embedding and its copy on one rank
+    ({"pp": 2, "schedule": "1f1b"}, {"pp": 1}),
+    ({"pp": 1}, {"pp": 2, "schedule": "dualpipev"}),  # the V puts the embedding and its copy on one rank
 ])
 def test_checkpoints_reshard_across_pp(tmp_path, save_kw, load_kw):
     from .pipeline_workers import pipeline_checkpoint_run
@@ -152,7 +153,7 @@ def test_init_from_hf_under_pp(tmp_path):
         for m in src.moe_layers():
             m.gate.expert_bias.normal_()
     save_hf_checkpoint(src, tmp_path / "hf")
-    ranks = ok_values(run_ranks(2, pipeline_init_from_run, {"pp": 2, "pp_schedule": "dualpipev"}, str(tmp_path / "hf")))
+    ranks = ok_values(run_ranks(2, pipeline_init_from_run, {"pp": 2, "schedule": "dualpipev"}, str(tmp_path / "hf")))
     got = _merged([{"params": r} for r in ranks])
     want = dict(src.named_parameters()) | dict(src.named_buffers())
     assert got.keys() == want.keys()
@@ -167,9 +168,9 @@ def test_unset_grad_accum_becomes_the_schedule_minimum_and_plan_files_map():
     import json
 
     from moetrain.config import load_job_config
-    from moetrain.train.from_plan import plan_overrides
+    from moetrain.train.from_plan import PlanFile, plan_from_dict, plan_job
 
-    job = load_job_config(None, ["parallel.pp=2", 'parallel.pp_schedule="dualpipev"'], world=2)
+    job = load_job_config(None, ["parallel.pp=2", 'parallel.schedule="dualpipev"'], world=2)
     assert (job.train.grad_accum, job.train.micro_batch_size) == (4, 8)  # 32 sequences per step kept
     assert any("needs 4 micro-batches" in n for n in job.notes)
     job = load_job_config(None, ["parallel.pp=2", "train.grad_accum=3"], world=2)
@@ -177,22 +178,29 @@ def test_unset_grad_accum_becomes_the_schedule_minimum_and_plan_files_map():
     plan = {"tp": 1, "pp": 2, "vpp": 2, "ep": 1, "cp": 1, "dp": 1, "micro_batch": 4, "global_batch": 16,
             "seq_len": 64, "recompute": "none", "schedule": "interleaved", "optimizer": "fp32", "routing": "real",
             "model": "tiny"}
-    sets, world = plan_overrides(plan)
-    assert world == 2 and "train.grad_accum=4" in sets and "parallel.dp=1" in sets and 'parallel.pp_schedule="interleaved-1f1b"' in sets
-    job = load_job_config(None, sets, world=world)
+    pj = plan_job(PlanFile(plan_from_dict(plan), model="tiny"))
+    par = pj.sections["parallel"]
+    assert pj.world == 2 and pj.sections["train"]["grad_accum"] == 4 and par["dp"] == 1 and par["schedule"] == "interleaved"
+    job = load_job_config(None, [], world=pj.world, plan=pj.sections)
     assert (job.parallel.pp, job.parallel.vpp, job.train.micro_batch_size) == (2, 2, 4)
     with pytest.raises(ConfigError, match=r"tensor parallelism \(tp=2.*selective recompute"):
-        plan_overrides({**plan, "tp": 2, "recompute": "selective", "recompute_modules": ["mlp"]})
-    assert json.dumps(sets)  # plain strings: usable as --set values
+        plan_job(PlanFile(plan_from_dict({**plan, "tp": 2, "recompute": "selective", "recompute_modules": ["mlp"]})))
+    assert json.dumps(pj.sections)  # typed values that are still plain JSON
 
 
-def test_plan_dp_includes_ep_and_the_trainer_dp_does_not():
-    from moetrain.train.from_plan import plan_overrides
+def test_plan_dp_includes_ep_and_so_does_the_trainer_dp():
+    from moetrain.config import load_job_config
+    from moetrain.train.from_plan import PlanFile, plan_from_dict, plan_job
 
-    sets, world = plan_overrides({"pp": 2, "ep": 2, "dp": 2, "micro_batch": 2, "global_batch": 8, "seq_len": 64})
-    assert world == 4 and "parallel.dp=1" in sets and "parallel.ep=2" in sets and "train.grad_accum=2" in sets
-    sets, _ = plan_overrides({"pp": 2, "dp": 1})
-    assert not any(s.startswith("data.seq_len") for s in sets)  # no sequence length: the job's own
+    d = {"pp": 2, "ep": 2, "dp": 2, "micro_batch": 2, "global_batch": 8, "seq_len": 64}
+    pj = plan_job(PlanFile(plan_from_dict(d), given=frozenset(d)))
+    par = pj.sections["parallel"]
+    assert pj.world == 4 and par["dp"] == 2 and par["ep"] == 2 and pj.sections["train"]["grad_accum"] == 2
+    job = load_job_config(None, [], world=4, plan=pj.sections)
+    assert job.parallel.resolve(4, job.model.n_routed_experts).edp == 1  # the ranks holding the same experts
+    d = {"pp": 2, "dp": 1}
+    pj = plan_job(PlanFile(plan_from_dict(d), given=frozenset(d)))
+    assert "seq_len" not in pj.sections["data"]  # no sequence length: the job's own
 
 
 def test_pipeline_checks_run_before_any_worker():
@@ -205,6 +213,6 @@ def test_pipeline_checks_run_before_any_worker():
     with pytest.raises(ConfigError, match="places 5 layers"):
         check_pipeline(cfg, ParallelConfig(pp=2, pp_layout="Ettt|ttmL"), 2)
     with pytest.raises(ConfigError, match="needs at least 4 micro-batches"):
-        check_pipeline(cfg, ParallelConfig(pp=2, pp_schedule="dualpipev"), 2)
+        check_pipeline(cfg, ParallelConfig(pp=2, schedule="dualpipev"), 2)
     with pytest.raises(ConfigError, match="tie_embeddings"):
         check_pipeline(cfg.replace(tie_embeddings=True), ParallelConfig(pp=2), 2)

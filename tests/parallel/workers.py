@@ -244,7 +244,7 @@ def mesh_timeouts_run() -> dict:
     from moetrain.parallel.mesh import group_timeout
 
     ctx = init_parallel(ParallelConfig(ep=2, timeout_s=7), 8)
-    groups = {"pp": ctx.mesh["pp"], "dp": ctx.dp_mesh, "ep": ctx.ep_mesh, "dp_ep": ctx.fsdp_mesh}
+    groups = {"pp": ctx.mesh["pp"], "dp": ctx.edp_mesh, "ep": ctx.ep_mesh, "dp_ep": ctx.fsdp_mesh}
     return {k: group_timeout(m.get_group()).total_seconds() for k, m in groups.items()}
 
 

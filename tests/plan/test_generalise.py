@@ -453,7 +453,10 @@ def test_search_keeps_to_the_framework():
     res = search("deepseek-v2-lite-16b", "h100", 16, base, micro_batch=(1,), vpp=(2,))
     assert res.ranked and res.framework == "moetrain"
     for p in res.ranked:
-        assert p.plan.tp == 1 and p.plan.cp == 1 and p.plan.precision == "bf16" and p.plan.fsdp
+        assert p.plan.tp == 1 and p.plan.cp == 1 and p.plan.precision == "bf16"
+        # FSDP2 as the trainer runs it: resharded after every pass at PP 1 without EP overlap, else kept gathered
+        assert p.plan.fsdp == (p.plan.pp == 1 and not p.plan.ep_overlap), p.plan
+    assert any(p.plan.fsdp for p in res.ranked)
     anyf = search("deepseek-v2-lite-16b", "h100", 16, base, micro_batch=(1,), vpp=(2,), framework=None)
     assert any(p.plan.tp > 1 for p in anyf.ranked)
 
@@ -557,7 +560,7 @@ def test_compare_shares_are_positive_for_what_makes_the_faster_run_faster():
 def test_even_layout_counts_embedding_and_loss_as_layers():
     """Megatron-Core's account_for_embedding / account_for_loss split (the Qwen3 recipes): 94 layers + 2 slots
     evenly over PP x VPP chunks, the first chunk one layer short for the embedding, the last for the loss."""
-    from moetrain.plan.plan import parse_layout
+    from moetrain.layout import parse_layout
 
     assert validation.even_layout(94, 4, 12) == "Et|(t*2|)*46tL"
     assert validation.even_layout(94, 8, 3) == "Et*3|(t*4|)*22t*3L"

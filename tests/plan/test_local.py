@@ -120,17 +120,24 @@ def test_local_pipelined_plan_is_the_run_the_trainer_makes(tmp_path):
     import argparse
     import json
 
-    from moetrain.plan.local import trainer_plan as _trainer_plan
+    from moetrain.plan.cli import _builtin_job_plan as _trainer_plan
     from moetrain.plan.model import predict
     from moetrain.plan.hardware import gpu_from_bench
     from moetrain.plan.shape import load_shape
 
     shape = load_shape("tiny")
     args = argparse.Namespace(pp=2, vpp=None, schedule=None, pp_layout=None)
+    from moetrain.config import load_job_config
+
+    def trainer_split(*sets):  # the split `moetrain train` makes: the planner's cost-balanced one (issue 28)
+        return load_job_config(None, ["parallel.pp=2", *sets], world=2).parallel.pp_layout
+
     p = _trainer_plan(shape, 2, args)
-    assert (p.pp, p.dp, p.micro_batch, p.n_microbatches, p.pp_layout) == (2, 1, 16, 2, "Ett|ttmL")
+    assert (p.pp, p.dp, p.micro_batch, p.n_microbatches, p.pp_layout) == (2, 1, 16, 2, trainer_split())
+    assert p.pp_layout == "Ettt|tmL"  # the cost-balanced split (the even one was "Ett|ttmL")
     v = _trainer_plan(shape, 2, argparse.Namespace(pp=2, vpp=2, schedule="interleaved-1f1b", pp_layout=None))
-    assert (v.vpp, v.pp_layout) == (2, "Et|t|t|tmL")
+    assert (v.vpp, v.pp_layout) == (2, trainer_split("parallel.vpp=2", 'parallel.schedule="interleaved"'))
+    assert v.pp_layout == "Ett|t|t|mL"  # (the even one was "Et|t|t|tmL")
     (tmp_path / "b.json").write_text(json.dumps(BENCH))
     gpu = gpu_from_bench(str(tmp_path / "b.json"))
     b1, b2 = (predict(shape, gpu, 2, x).step.bubble for x in (p, v))

@@ -21,7 +21,7 @@ def test_row_wire_bytes():
     assert row_wire_bytes(7168, torch.bfloat16, "fp8") == 7168 + 4 * 56  # 0.516x: DeepSeek-V3's hidden size
     assert row_wire_bytes(200, torch.float32, "fp8") == 200 + 8  # an edge tile has a scale too
     with pytest.raises(ConfigError):
-        ParallelConfig(dispatch_dtype="fp4")  # type: ignore[arg-type]
+        ParallelConfig(dispatch_precision="fp4")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         AllToAllDispatcher(8, 2, 0, None, dispatch_dtype="e5m2")
 

@@ -1,4 +1,4 @@
-"""Training with FP8 GEMMs: the tiny model trained a few steps with train.fp8 = blockwise / mxfp8 follows the
+"""Training with FP8 GEMMs: the tiny model trained a few steps with parallel.precision = fp8 / mxfp8 follows the
 BF16-autocast run's loss, and apply_fp8 keeps parameters, names and the high-precision modules as they are."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from moetrain.precision.apply import apply_fp8
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
 from moetrain.precision.linear import Fp8Linear
 from moetrain.model.config import ConfigError
-from moetrain.train.config import TrainConfig
+from moetrain.parallel.config import ParallelConfig
 
 
 def _tiny(vocab: int = 256):
@@ -45,7 +45,7 @@ def test_apply_fp8_on_meta_keeps_parameters_and_high_precision_modules():
     with pytest.raises(ValueError):
         apply_fp8(model, "fp4")
     with pytest.raises(ConfigError):
-        TrainConfig(fp8="e5m2")  # type: ignore[arg-type]
+        ParallelConfig(precision="e5m2")  # type: ignore[arg-type]
 
 
 def _train(model: nn.Module, cfg, batches) -> list[float]:
@@ -83,14 +83,13 @@ def test_fp8_training_follows_bf16():
 
 
 def test_planner_precisions_map_one_to_one_onto_the_config_fields():
-    from moetrain.parallel.config import ParallelConfig
     from moetrain.parallel.dispatch import DISPATCH_DTYPES
     from moetrain.plan.plan import DISPATCH_PRECISIONS, PRECISIONS
     from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
 
     assert set(PLAN_PRECISION_TO_FP8) == set(PRECISIONS)
-    for p, fp8 in PLAN_PRECISION_TO_FP8.items():
-        assert TrainConfig(fp8=fp8).fp8 == fp8  # type: ignore[arg-type]
+    for p, fp8 in PLAN_PRECISION_TO_FP8.items():  # the trainer's FP8 recipe is read from this map
+        assert ParallelConfig(precision=p).precision == p  # type: ignore[arg-type]
     assert set(DISPATCH_PRECISIONS) == set(DISPATCH_DTYPES)
     for d in DISPATCH_PRECISIONS:
-        assert ParallelConfig(dispatch_dtype=d).dispatch_dtype == d
+        assert ParallelConfig(dispatch_precision=d).dispatch_precision == d  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ def test_world_one_alltoall_trains_checkpoints_and_resumes(tmp_path):
         assert again[s]["loss"] == train[s]["loss"], s
 
 
-@pytest.mark.parametrize("extra", [("--set", "parallel.ep_overlap=true"), ("--set", 'parallel.dispatch_dtype="fp8"')],
+@pytest.mark.parametrize("extra", [("--set", "parallel.ep_overlap=true"), ("--set", 'parallel.dispatch_precision="fp8"')],
                          ids=["ep_overlap", "fp8_dispatch"])
 def test_world_one_alltoall_variants(tmp_path, extra):
     out = tmp_path / "run"

@@ -17,12 +17,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from moetrain.errors import ConfigError  # noqa: F401 - re-exported: its home was here
+
 ScoreFunc = Literal["sigmoid", "softmax"]
 RoutingMode = Literal["learned", "balanced"]
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the allowed values."""
 
 
 #: ModelConfig fields that steer training rather than define the architecture: a checkpoint may resume under other

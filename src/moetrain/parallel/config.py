@@ -1,144 +1,267 @@
-"""Parallelism settings: how the world is split and how tokens move between expert-parallel ranks."""
+"""Parallelism settings: the :class:`~moetrain.layout.Layout` the trainer runs plus its run-time knobs."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from moetrain.model.config import ConfigError
+from moetrain.errors import ConfigError
+from moetrain.layout import (CudaGraphs, Dispatcher, Layout, OptimizerStates, Precision, Recompute, Schedule,
+                             coerce_names)
 
-DispatcherName = Literal["auto", "local", "alltoall"]
-#: Pipeline schedules of ``torch.distributed.pipelining`` the trainer runs, by their name in moetrain: "1f1b"
-#: (one stage per rank), "interleaved-1f1b" (``vpp`` stages per rank, looped), "dualpipev" and "zbv" (two stages per
-#: rank in a V: rank r holds stages r and 2 PP - 1 - r; backward split into input and weight parts).
-PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "dualpipev", "zbv")
-V_SCHEDULES = ("dualpipev", "zbv")
+#: Pipeline schedules the trainer runs (``torch.distributed.pipelining``): all but the bidirectional DualPipe,
+#: which keeps two copies of the parameters.
+PP_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.DUALPIPEV, Schedule.ZBV)
+V_SCHEDULES = tuple(s for s in Schedule if s.is_v)
+#: Dispatchers the trainer has (``moetrain.parallel.dispatch.AllToAllDispatcher``; at EP = 1 either is a local
+#: permutation).
+DISPATCHERS = (Dispatcher.ALLTOALL, Dispatcher.FLEX)
+#: Values of ``parallel.precision``: a :class:`~moetrain.layout.Precision`, or "auto" (bf16 on GPU, fp32 on CPU).
+AUTO = "auto"
 
 
-@dataclass
-class ParallelConfig:
-    """World = PP x DP x EP (room for TP later).
+def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
+    """What of ``layout`` the trainer cannot run: ``(what, "field=value; what runs instead")`` per field, empty when
+    all of it runs. The one list of the trainer's limits, for its own config and for plans (``moetrain.train.
+    from_plan``); unset fields (a plan's framework defaults) are the caller's to resolve first.
+    """
+    out = []
+    if layout.tp != 1:
+        out.append(("tensor parallelism", f"tp={layout.tp}; use tp 1"))
+    if layout.cp != 1:
+        out.append(("context parallelism", f"cp={layout.cp}; use cp 1"))
+    if layout.schedule is not None and layout.schedule not in PP_SCHEDULES:
+        out.append((f"the {layout.schedule} pipeline schedule",
+                    f"schedule={layout.schedule!r}: the bidirectional DualPipe keeps two copies of the parameters; "
+                    f"the trainer runs {', '.join(map(str, PP_SCHEDULES))}, dualpipev being DualPipe's one-copy V"))
+    if layout.dispatcher is not None and layout.dispatcher not in DISPATCHERS:
+        out.append((f"the {layout.dispatcher} dispatcher",
+                    f"dispatcher={layout.dispatcher!r}; the trainer has {', '.join(map(str, DISPATCHERS))}"))
+    if layout.attn_precision != Precision.BF16:
+        out.append(("FP8 attention", f"attn_precision={layout.attn_precision!r}; use bf16"))
+    if layout.recompute == Recompute.SELECTIVE:
+        out.append(("selective recompute", f"recompute='selective' of {layout.recompute_modules or 'the default set'};"
+                    f" the trainer recomputes whole blocks (full) or nothing (none)"))
+    elif layout.recompute_modules is not None:
+        out.append(("recompute modules", f"recompute_modules={list(layout.recompute_modules)}; only selective "
+                    f"recompute takes them"))
+    if layout.optimizer != OptimizerStates.FP32:
+        out.append((f"{layout.optimizer} optimizer states", f"optimizer={layout.optimizer!r}; the trainer keeps fp32 "
+                    f"(use fp32)"))
+    if layout.fp8_param:
+        out.append(("FP8 primary weights", "fp8_param=true; the trainer keeps fp32 masters and quantises per GEMM"))
+    if layout.cuda_graphs is not None and layout.cuda_graphs != CudaGraphs.NONE:
+        out.append(("CUDA graphs", f"cuda_graphs={layout.cuda_graphs!r}; the trainer launches eagerly (none)"))
+    if layout.fused_mlp:
+        out.append(("the fused grouped-MLP kernel", "fused_mlp=true; the trainer runs the unfused grouped MLP"))
+    if not layout.dp_overlap:
+        out.append(("data-parallel communication without overlap",
+                    "dp_overlap=false; FSDP2 always prefetches its all-gathers and overlaps its reduce-scatters"))
+    if layout.fsdp and (layout.pp > 1 or layout.ep_overlap):
+        out.append(("resharding after every forward and backward",
+                    f"fsdp=true with {'pp > 1' if layout.pp > 1 else 'ep_overlap'}: the pipeline schedules and EP "
+                    f"overlap run many forwards and backwards of a stage interleaved, so the trainer keeps the "
+                    f"parameters gathered through the step; use fsdp false"))
+    if layout.mtp_depth is not None:
+        out.append(("an MTP depth in the layout", f"mtp_depth={layout.mtp_depth}; the trainer's is model.mtp_depth"))
+    return out
 
-    A pipeline stage is DP x EP ranks; every rank of a stage sees different data (the ranks of one pipeline, one per
-    stage, see the same): EP is carved out of the stage's data-parallel ranks, as in Megatron-Core and TorchTitan.
-    Routed experts are split over the EP group (E/EP experts per rank); every other weight of a stage is sharded with
-    FSDP2 over the stage's ranks; expert weights are sharded with FSDP2 over the DP ranks that hold the same experts.
+
+@dataclass(frozen=True)
+class ParallelConfig(Layout):
+    """How the world is split and what the step runs in: the trainer's layout (a ``moetrain.layout.Layout``).
+
+    World = PP x DP (TP = CP = 1). A pipeline stage is DP ranks, every one of which sees different data (the ranks of
+    one pipeline, one per stage, see the same); EP is carved out of them, as in Megatron-Core and TorchTitan: EP
+    consecutive ranks split the routed experts (E/EP per rank) and ``edp = DP / EP`` ranks hold the same experts.
+    Every other weight of a stage is sharded with FSDP2 over the stage's DP ranks; expert weights over the ``edp``
+    ranks holding the same experts.
+
+    Older key names are translated once when a job is read (:data:`moetrain.layout.TRAINER_KEY_ALIASES`).
 
     Attributes:
+        tp, cp: tensor and context parallel sizes; the trainer runs 1 only.
         pp: pipeline stages (ranks per pipeline).
-        vpp: virtual stages (model chunks) per pipeline rank: > 1 needs "interleaved-1f1b"; the V schedules always
-            hold 2 (1 or 2 accepted).
-        pp_schedule: one of PP_SCHEDULES (ignored when pp == 1).
+        vpp: model chunks per pipeline rank for the interleaved schedule (> 1 needs it); the V schedules hold 2 by
+            themselves (1 here; 2 is accepted and means the same).
+        ep: expert-parallel size; must divide the number of routed experts and DP.
+        dp: data-parallel size in Megatron's meaning (EP included): unset = world size / pp.
+        schedule: pipeline schedule, one of 1f1b, interleaved (needs vpp > 1), dualpipev, zbv (ignored when pp == 1;
+            "interleaved-1f1b" is the older name of interleaved).
         pp_layout: Megatron pipeline layout (``E`` embedding, ``t`` layer, ``m`` MTP module, ``L`` head + loss, ``|``
-            between virtual stages, ``*n`` repetition, e.g. "Ettt|tttmL"); None = layers split evenly, the
-            embedding first, MTP and head last.
-        ep: expert-parallel size; must divide the number of routed experts and DP x EP.
-        dp: data-parallel size; 0 = world // (pp * ep).
-        dispatcher: "auto" (local when ep == 1, else alltoall), "local", or "alltoall".
+            between virtual stages, ``*n`` repetition, e.g. "Ettt|tttmL"); None = the planner's cost-balanced split.
+        dispatcher: "flex": a dropless token goes once to each EP rank holding any of its experts (with its gate
+            weights and local expert ids) and one gate-weighted sum per (token, rank) comes back, as DeepEP and
+            Megatron-Core's flex dispatcher do; "alltoall": one row per token-expert assignment. Capacity mode
+            (capacity_factor set) always sends per assignment. Unset = flex, and at ep == 1 the local permutation
+            (no token moves; a dispatcher named at ep == 1 runs its all-to-all over the one rank, which exercises
+            the collective path). "allgather" is not implemented; the older "auto" means unset, "local" is refused
+            (leave it unset).
+        dispatch_precision: wire format of the dispatched token rows: "bf16" (the activations' dtype, BF16 under GPU
+            mixed precision) or "fp8" (E4M3 with one fp32 scale per 1x128 tile, as DeepSeek-V3 dispatches; about
+            half the bytes of BF16). The combine stays in high precision.
+        precision: "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16", "fp32", or FP8 GEMMs: "fp8" (DeepSeek-V3
+            blockwise: E4M3, fp32 scales; linears 1x128 activation/gradient tiles and 128x128 weight blocks, routed
+            experts one scale per token row and per weight row, as Hopper's grouped FP8 kernel takes them) or
+            "mxfp8" (OCP MX: 32-element blocks, E8M0 scales), the rest of the step as under "auto". Dense,
+            shared-expert and routed-expert FFNs, MLA projections run FP8; embedding, head, router, norms and
+            attention stay high precision (docs/fp8.md). Where the GPU has no FP8 kernel for the recipe the
+            quantised values are multiplied in higher precision (fp32 on CPU, TF32 or bf16 on a GPU, warned once).
+        attn_precision: attention precision; the trainer runs bf16 (or fp32 under precision fp32) only.
+        recompute: "none" or "full" (each block recomputed in backward); "selective" is not implemented.
+        recompute_modules: selective recompute's modules; must be unset.
+        ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
+            all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
+            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; under pipelining
+            the schedule's forward-backward pairs (1f1b, interleaved, dualpipev's OVERLAP_F_B; not zbv); not
+            with recompute full, n_chunks > 1 or overlap = false.
+        fsdp: true = parameters resharded after each forward and backward and all-gathered again (ZeRO-3); false =
+            gathered once per step and kept through it (Megatron's distributed-optimizer memory); unset = true at
+            pp == 1 without ep_overlap, else false (pipelining and EP overlap keep them gathered).
+        dp_overlap: FSDP2 prefetches the next all-gather and reduce-scatters behind compute; must be true.
+        mtp_depth: must be unset: the model's depth is ``model.mtp_depth``.
+        optimizer: optimizer state precision; the trainer keeps fp32 states.
+        fp8_param: FP8 primary weights; not implemented (false).
+        cuda_graphs: the trainer launches eagerly ("none").
+        fused_mlp: the fused grouped-MLP kernel; not implemented (false).
         capacity_factor: None = dropless (default); else tokens beyond ceil(cf * T * K / E) per expert are dropped.
         drop_policy: "probs" drops the lowest gate weights first, "position" the latest tokens first.
         pad_to_capacity: pad every expert's rows to its capacity (static shapes; needs capacity_factor).
         overlap: run the shared experts while the dispatch all-to-all is in flight (asynchronous collective).
-        dedup: dropless all-to-all sends a token once to each EP rank holding any of its experts (with its gate
-            weights and local expert ids), and gets back one gate-weighted sum per (token, rank), as DeepEP and
-            Megatron-Core's flex dispatcher do; False sends one row per token-expert assignment. Capacity mode
-            (capacity_factor set) always sends per assignment.
-        dispatch_dtype: wire format of the dispatched token rows: "bf16" (the activations' dtype, BF16 under GPU
-            mixed precision) or "fp8" (E4M3 with one fp32 scale per 1x128 tile, as DeepSeek-V3 dispatches; about
-            half the bytes of BF16). The combine stays in high precision. Used by the alltoall dispatcher.
         n_chunks: split each micro-batch's tokens into this many chunks so one chunk's all-to-all overlaps another's
             expert GEMMs (1 = off).
-        ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
-            all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
-            combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; under pipelining
-            the schedule's forward-backward pairs (1f1b, interleaved-1f1b, dualpipev's OVERLAP_F_B; not zbv); not
-            with activation_checkpointing, n_chunks > 1 or overlap = false.
-        activation_checkpointing: recompute each block in backward.
         timeout_s: collective timeout; a hang ends with an error naming the phase.
     """
 
-    pp: int = 1
-    vpp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_layout: str | None = None
-    ep: int = 1
-    dp: int = 0
-    dispatcher: DispatcherName = "auto"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    dispatcher: Dispatcher | None = None
+    precision: Precision | Literal["auto"] = AUTO
+    fsdp: bool | None = None
+    optimizer: OptimizerStates = OptimizerStates.FP32
+    cuda_graphs: CudaGraphs = CudaGraphs.NONE
     capacity_factor: float | None = None
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
     overlap: bool = True
-    dedup: bool = True
-    dispatch_dtype: Literal["bf16", "fp8"] = "bf16"
     n_chunks: int = 1
-    ep_overlap: bool = False
-    activation_checkpointing: bool = False
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("pp", "vpp"):
+        super().__post_init__()
+        for name in ("tp", "pp", "vpp", "ep", "cp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"parallel.{name}={v!r} must be an integer >= 1")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
-        if self.pp > 1 and self.vpp > 1 and self.pp_schedule == "1f1b":
-            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.pp_schedule='interleaved-1f1b' (1f1b holds "
-                              f"one stage per rank)")
-        if self.pp_schedule in V_SCHEDULES and self.vpp > 2:
-            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} holds exactly 2 stages per rank; "
-                              f"parallel.vpp={self.vpp} (use 1 or 2)")
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise ConfigError(f"parallel.ep={self.ep!r} must be an integer >= 1")
-        if not isinstance(self.dp, int) or self.dp < 0:
-            raise ConfigError(f"parallel.dp={self.dp!r} must be an integer >= 0 (0 = world size / ep)")
-        if self.dispatcher not in ("auto", "local", "alltoall"):
-            raise ConfigError(f"parallel.dispatcher={self.dispatcher!r}; allowed: 'auto', 'local', 'alltoall'")
+        if self.dp == 0:  # the older "derive it" spelling
+            object.__setattr__(self, "dp", None)
+        if self.dp is not None and (not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 1):
+            raise ConfigError(f"parallel.dp={self.dp!r} must be an integer >= 1 (unset = world size / pp)")
+        self._check_names()
+        if self.pp > 1 and self.vpp > 1 and self.schedule == Schedule.ONE_F_ONE_B:
+            raise ConfigError(f"parallel.vpp={self.vpp} needs parallel.schedule='interleaved' (1f1b holds one stage "
+                              f"per rank)")
+        if self.schedule.is_v:
+            if self.vpp > 2:
+                raise ConfigError(f"parallel.schedule={self.schedule!r} holds exactly 2 stages per rank; "
+                                  f"parallel.vpp={self.vpp} (use 1 or 2)")
+            object.__setattr__(self, "vpp", 1)  # the V holds its two chunks by itself: one meaning of vpp
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"parallel.capacity_factor={self.capacity_factor} must be > 0 (or unset for dropless)")
         if self.drop_policy not in ("probs", "position"):
             raise ConfigError(f"parallel.drop_policy={self.drop_policy!r}; allowed: 'probs', 'position'")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ConfigError("parallel.pad_to_capacity needs parallel.capacity_factor to be set")
-        if not isinstance(self.dedup, bool):
-            raise ConfigError(f"parallel.dedup={self.dedup!r} must be true or false")
-        if self.dispatch_dtype not in ("bf16", "fp8"):
-            raise ConfigError(f"parallel.dispatch_dtype={self.dispatch_dtype!r}; allowed: 'bf16', 'fp8'")
         if not isinstance(self.n_chunks, int) or self.n_chunks < 1:
             raise ConfigError(f"parallel.n_chunks={self.n_chunks!r} must be an integer >= 1")
-        if not isinstance(self.ep_overlap, bool):
-            raise ConfigError(f"parallel.ep_overlap={self.ep_overlap!r} must be true or false")
+        for name in ("ep_overlap", "overlap", "fused_mlp", "fp8_param", "dp_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"parallel.{name}={getattr(self, name)!r} must be true or false")
+        if self.fsdp is not None and not isinstance(self.fsdp, bool):
+            raise ConfigError(f"parallel.fsdp={self.fsdp!r} must be true, false or unset")
+        missing = layout_not_runnable(self)
+        if missing:
+            raise ConfigError("moetrain train cannot run this layout: "
+                              + "; ".join(f"{what} (parallel.{why})" for what, why in missing))
         if self.ep_overlap:
             clash = [f"parallel.{k}={v}" for k, v, bad in (
-                ("pp_schedule", repr(self.pp_schedule), self.pp > 1 and self.pp_schedule == "zbv"),
-                ("activation_checkpointing", "true", self.activation_checkpointing),
+                ("schedule", repr(self.schedule), self.pp > 1 and self.schedule == Schedule.ZBV),
+                ("recompute", "'full'", self.recompute == Recompute.FULL),
                 ("n_chunks", self.n_chunks, self.n_chunks > 1), ("overlap", "false", not self.overlap)) if bad]
             if clash:
                 raise ConfigError(
                     f"parallel.ep_overlap=true does not combine with {', '.join(clash)}: the paired schedule runs "
                     f"without recomputation or token chunks, with asynchronous all-to-alls (parallel.overlap=true), "
-                    f"and under pipelining pairs the full backwards of 1f1b, interleaved-1f1b or dualpipev (zbv "
+                    f"and under pipelining pairs the full backwards of 1f1b, interleaved or dualpipev (zbv "
                     f"splits every backward); drop those settings or set parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
+
+    def _check_names(self) -> None:
+        coerce_names(self, {"schedule": Schedule, "dispatcher": Dispatcher, "recompute": Recompute,
+                            "optimizer": OptimizerStates, "cuda_graphs": CudaGraphs})
+        if self.dispatcher == "local":
+            raise ConfigError("parallel.dispatcher='local': at ep == 1 every dispatcher is the local permutation and "
+                              "above it tokens must move; leave parallel.dispatcher unset (flex, local at ep == 1) or "
+                              "name alltoall / flex")
+        choices = {"schedule": Schedule.values(), "dispatcher": (None, *Dispatcher.values()),
+                   "dispatch_precision": ("bf16", "fp8"), "precision": (AUTO, *Precision.values()),
+                   "attn_precision": ("bf16", "fp8"), "recompute": Recompute.values(),
+                   "optimizer": OptimizerStates.values(), "cuda_graphs": CudaGraphs.values()}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                names = ", ".join(a for a in allowed if a is not None)
+                raise ConfigError(f"parallel.{name}={getattr(self, name)!r}; allowed: {names}")
 
     @property
     def stages_per_rank(self) -> int:
         """Model chunks each pipeline rank holds: 2 for the V schedules, vpp otherwise (1 without pipelining)."""
         if self.pp == 1:
             return 1
-        return 2 if self.pp_schedule in V_SCHEDULES else self.vpp
+        return 2 if self.schedule.is_v else self.vpp
 
     @property
     def n_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
+    @property
+    def dedup(self) -> bool:
+        """Whether the dispatcher sends one row per (token, destination rank): flex, dropless."""
+        return self.run_dispatcher == Dispatcher.FLEX and self.capacity_factor is None
+
+    @property
+    def run_dispatcher(self) -> Dispatcher:
+        """The dispatcher that runs: flex when unset."""
+        return self.dispatcher or Dispatcher.FLEX
+
+    @property
+    def moves_tokens(self) -> bool:
+        """Whether the all-to-all dispatcher runs: EP > 1, or a dispatcher named at EP = 1 (over the one rank)."""
+        return self.ep > 1 or self.dispatcher is not None
+
+    @property
+    def keeps_params_gathered(self) -> bool:
+        """Parameters gathered once per step and kept (fsdp false, or unset with pp > 1 or ep_overlap)."""
+        return not self.fsdp if self.fsdp is not None else (self.pp > 1 or self.ep_overlap)
+
+    def run_precision(self, device_type: str) -> Precision:
+        """The GEMM precision on ``device_type`` ("auto" resolved: bf16 on cuda, fp32 elsewhere)."""
+        if self.precision == AUTO:
+            return Precision.BF16 if device_type == "cuda" else Precision.FP32
+        return Precision(self.precision)
+
+    def autocast_bf16(self, device_type: str) -> bool:
+        """Whether the step runs under bf16 autocast: precision bf16, or auto / fp8 / mxfp8 on a GPU."""
+        if self.precision in (Precision.BF16, Precision.FP32):
+            return self.precision == Precision.BF16
+        return device_type == "cuda"
+
     def resolve(self, world_size: int, n_routed_experts: int) -> "ParallelConfig":
-        """Check the sizes against the world and the model; return a copy with dp filled in.
+        """Check the sizes against the world and the model; return a copy with dp and fsdp filled in.
 
         Raises:
             ConfigError: pp does not divide the world, ep does not divide the experts or a stage's ranks, or
-                pp * dp * ep != world.
+                pp * dp != world.
         """
         if world_size % self.pp:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.pp={self.pp}; launch a multiple "
@@ -152,18 +275,8 @@ class ParallelConfig:
             raise ConfigError(f"{stage} ranks per pipeline stage (world {world_size} / pp {self.pp}) are not "
                               f"divisible by parallel.ep={self.ep}; launch a multiple of pp x ep = "
                               f"{self.pp * self.ep} processes or change ep")
-        if self.dispatcher == "local" and self.ep > 1:
-            raise ConfigError(f"parallel.dispatcher='local' cannot move tokens between parallel.ep={self.ep} ranks; "
-                              f"use 'alltoall' or 'auto'")
-        dp = self.dp or stage // self.ep
-        if self.pp * dp * self.ep != world_size:
-            raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} x parallel.ep={self.ep} = "
-                              f"{self.pp * dp * self.ep} != world size {world_size}")
-        from dataclasses import replace
-        return replace(self, dp=dp)
-
-    @property
-    def dispatcher_kind(self) -> str:
-        if self.dispatcher == "auto":
-            return "local" if self.ep == 1 else "alltoall"
-        return self.dispatcher
+        dp = self.dp or stage
+        if self.pp * dp != world_size:
+            raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} = {self.pp * dp} != world size {world_size} "
+                              f"(dp counts every rank of a stage, the expert-parallel ones included)")
+        return dataclasses.replace(self, dp=dp, fsdp=not self.keeps_params_gathered)

@@ -1,17 +1,17 @@
 """Process groups at a glance: one N-D device mesh, built once from the parallel config.
 
-World of W = PP x DP x EP ranks, laid out EP-fastest so an EP group is a run of consecutive ranks (one node's NVLink
-domain on a GPU cluster)::
+World of W = PP x DP ranks, DP = EDP x EP (Megatron's DP: EP carved out of it, ``moetrain.layout``), laid out
+EP-fastest so an EP group is a run of consecutive ranks (one node's NVLink domain on a GPU cluster)::
 
-    rank = (pp_idx * DP + dp_idx) * EP + ep_idx
+    rank = (pp_idx * EDP + edp_idx) * EP + ep_idx
 
-    mesh (pp, dp, ep)        e.g. W=4, PP=1, DP=2, EP=2:   [[[0, 1],
+    mesh (pp, edp, ep)       e.g. W=4, PP=1, DP=4, EP=2:   [[[0, 1],
                                                             [2, 3]]]
     "ep"     a row     ranks that exchange tokens in the all-to-all; each holds E/EP experts
-    "dp"     a column  ranks holding the same experts: expert weights are FSDP-sharded over it
-    "dp_ep"  dp x ep flattened: all ranks of a pipeline stage; every non-expert weight is FSDP-sharded over it and
+    "edp"    a column  ranks holding the same experts: expert weights are FSDP-sharded over it
+    "dp"     edp x ep flattened: all ranks of a pipeline stage; every non-expert weight is FSDP-sharded over it and
              every rank reads different data
-    "pp"     one pipeline: the ranks of the same (dp, ep) coordinate in every stage; they send activations and
+    "pp"     one pipeline: the ranks of the same (edp, ep) coordinate in every stage; they send activations and
              gradients to each other (point-to-point) and read the same data (room is kept for tp/cp likewise)
 
 Every group of every dimension carries ``parallel.timeout_s`` (``backend_override`` options): torch would otherwise
@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
 
-MESH_DIMS = ("pp", "dp", "ep")
+MESH_DIMS = ("pp", "edp", "ep")
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ class ParallelContext:
     """Everything that knows about ranks. ``mesh`` is None in a single process.
 
     Sub-meshes (each a DeviceMesh of the one root mesh, so FSDP2 can compose them with the experts' EP sharding):
-    ``ep_mesh``, ``dp_mesh`` (ranks holding the same experts), ``fsdp_mesh`` (dp x ep flattened: all ranks of a
-    stage), ``expert_mesh`` ((dp, ep), 2-D).
+    ``ep_mesh``, ``edp_mesh`` (ranks holding the same experts), ``fsdp_mesh`` (edp x ep flattened, "dp": all ranks
+    of a stage), ``expert_mesh`` ((edp, ep), 2-D).
     """
 
     rank: int
@@ -77,7 +77,7 @@ class ParallelContext:
     device: torch.device
     pcfg: ParallelConfig
     mesh: DeviceMesh | None = None
-    flat_mesh: DeviceMesh | None = None  # "dp_ep", kept here: slicing a flattened dim from the root is deprecated
+    flat_mesh: DeviceMesh | None = None  # "dp", kept here: slicing a flattened dim from the root is deprecated
 
     @property
     def distributed(self) -> bool:
@@ -88,13 +88,14 @@ class ParallelContext:
         return self.rank % self.pcfg.ep
 
     @property
-    def dp_rank(self) -> int:
-        return (self.rank // self.pcfg.ep) % self.pcfg.dp
+    def edp_rank(self) -> int:
+        """This rank's index among the ranks holding the same experts."""
+        return (self.rank // self.pcfg.ep) % self.pcfg.edp
 
     @property
     def stage_size(self) -> int:
-        """Ranks per pipeline stage (DP x EP): the data-parallel world."""
-        return self.pcfg.dp * self.pcfg.ep
+        """Ranks per pipeline stage (DP, EP included): the data-parallel world."""
+        return self.pcfg.dp
 
     @property
     def pp_rank(self) -> int:
@@ -111,7 +112,7 @@ class ParallelContext:
 
     @property
     def stage_group(self) -> Any:
-        """The process group of this rank's pipeline stage (dp x ep): global loss normalisers are summed over it."""
+        """The process group of this rank's pipeline stage (edp x ep = dp): global loss normalisers are summed over it."""
         return self.flat_mesh.get_group() if self.flat_mesh is not None else None
 
     def _sub(self, *dims: str) -> DeviceMesh | None:
@@ -122,8 +123,8 @@ class ParallelContext:
         return self._sub("ep")
 
     @property
-    def dp_mesh(self) -> DeviceMesh | None:
-        return self._sub("dp")
+    def edp_mesh(self) -> DeviceMesh | None:
+        return self._sub("edp")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -131,7 +132,7 @@ class ParallelContext:
 
     @property
     def expert_mesh(self) -> DeviceMesh | None:
-        return self._sub("dp", "ep")
+        return self._sub("edp", "ep")
 
     @property
     def ep_group(self) -> Any:
@@ -165,19 +166,19 @@ def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
     return opts
 
 
-def build_mesh(device_type: str, pp: int, dp: int, ep: int, timeout_s: float | None
+def build_mesh(device_type: str, pp: int, edp: int, ep: int, timeout_s: float | None
                ) -> tuple[DeviceMesh, DeviceMesh]:
-    """The (pp, dp, ep) mesh and its flattened "dp_ep" dimension, every group with ``timeout_s`` (None: the
+    """The (pp, edp, ep) mesh and its flattened "dp" dimension (edp x ep), every group with ``timeout_s`` (None: the
     backend's own options, for the "fake" backend of ``--dry-run --world``).
 
-    Needs an initialised default process group of pp * dp * ep ranks."""
+    Needs an initialised default process group of pp * edp * ep ranks."""
     if timeout_s is None:
-        mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS)
-        return mesh, mesh["dp", "ep"]._flatten("dp_ep")
+        mesh = init_device_mesh(device_type, (pp, edp, ep), mesh_dim_names=MESH_DIMS)
+        return mesh, mesh["edp", "ep"]._flatten("dp")
     opts = _group_options(backend_for(torch.device(device_type)), datetime.timedelta(seconds=timeout_s))
-    mesh = init_device_mesh(device_type, (pp, dp, ep), mesh_dim_names=MESH_DIMS,
+    mesh = init_device_mesh(device_type, (pp, edp, ep), mesh_dim_names=MESH_DIMS,
                             backend_override={d: opts for d in MESH_DIMS})
-    return mesh, mesh["dp", "ep"]._flatten("dp_ep", backend_override=opts)
+    return mesh, mesh["edp", "ep"]._flatten("dp", backend_override=opts)
 
 
 def group_timeout(group: Any) -> datetime.timedelta:
@@ -218,7 +219,7 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     if not dist.is_initialized():
         dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.dp, pcfg.ep, pcfg.timeout_s)
+    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.edp, pcfg.ep, pcfg.timeout_s)
     return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
 
 
@@ -235,7 +236,7 @@ def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> Pa
     pcfg = pcfg.resolve(world, n_routed_experts)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.dp, pcfg.ep, None)
+    mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.edp, pcfg.ep, None)
     return ParallelContext(0, world, 0, torch.device("cpu"), pcfg, mesh, flat)
 
 

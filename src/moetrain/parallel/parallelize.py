@@ -7,8 +7,8 @@
    experts without gathering them.
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
 3. Activation checkpointing of every block (main and MTP), if asked.
-4. FSDP2 ``fully_shard``: expert weights over the DP mesh (ranks holding the same experts), then every block and the
-   root over all ranks of the stage (the flattened dp x ep mesh). Gradients are *summed*, not averaged (divide
+4. FSDP2 ``fully_shard``: expert weights over the EDP mesh (ranks holding the same experts), then every block and the
+   root over all ranks of the stage (the flattened edp x ep mesh: DP). Gradients are *summed*, not averaged (divide
    factor 1): the trainer normalises the loss by global token and sequence counts, so the summed gradient is the
    gradient of the global mean loss whatever the split over ranks and micro-batches. Expert weights receive every EP
    peer's tokens through the all-to-all backward, so summing over DP completes their sum over all tokens. On GPU a
@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moetrain.layout import Recompute
 from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher
 from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.dispatch import AllToAllDispatcher
@@ -48,21 +49,21 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             this dtype, gradients reduced in fp32; None keeps fp32 throughout (the CPU default).
 
     Raises:
-        ValueError: the "local" dispatcher asked for with EP > 1, or "alltoall" without a process group.
+        ValueError: the all-to-all dispatcher without a process group.
     """
     pcfg = ctx.pcfg
     capacity = CapacityConfig(pcfg.capacity_factor, pcfg.drop_policy, pcfg.pad_to_capacity)
-    kind = pcfg.dispatcher_kind
-    if kind == "local" and pcfg.ep > 1:
-        raise ValueError(f"dispatcher 'local' cannot move tokens between EP={pcfg.ep} ranks; use 'alltoall'")
+    # At EP = 1 no token leaves the rank: an unset dispatcher is the local permutation there.
+    kind = "alltoall" if pcfg.moves_tokens else "local"
     # 1. expert parallelism
     for m_idx, moe in zip(model.moe_indices(), model.moe_layers()):
         E = moe.gate.n_experts
         if kind == "alltoall":
             if not ctx.distributed:
-                raise ValueError("dispatcher 'alltoall' needs a process group; launch with torchrun")
+                raise ValueError(f"dispatcher {pcfg.run_dispatcher!r} (the all-to-all) needs a process group; "
+                                 f"launch with torchrun")
             moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
-                                                pcfg.dedup, dispatch_dtype=pcfg.dispatch_dtype)
+                                                pcfg.dedup, dispatch_dtype=pcfg.dispatch_precision.value)
             moe.dispatcher.layer = m_idx
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
@@ -73,24 +74,26 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     # 3. activation checkpointing
     blocks = model.blocks()
     for block in blocks:
-        block.recompute = pcfg.activation_checkpointing
+        block.recompute = pcfg.recompute == Recompute.FULL
     # 4. FSDP2
     if ctx.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
         kw: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
-        dp = ctx.dp_mesh.size()
+        edp = ctx.edp_mesh.size()
         # Pipelined, a stage runs forward and backward of several micro-batches interleaved, and the zero-bubble
         # schedules compute weight gradients after the input gradients: parameters stay gathered from the first
         # forward to the end of the step (as TorchTitan does under PP), one all-gather per stage and step instead
         # of one per micro-batch and pass.
         # The same holds for EP overlap, whose backward is many autograd calls interleaved with another
         # micro-batch's forward (moetrain.parallel.overlap).
-        keep = pcfg.pp > 1 or pcfg.ep_overlap
+        # parallel.fsdp=false asks for the same at PP = 1 (Megatron's distributed-optimizer memory; the plain step
+        # then also skips the reshard after each micro-batch's backward, moetrain.train.step).
+        keep = pcfg.keeps_params_gathered
         for moe in model.moe_layers():
             # Several expert calls per forward when chunked: keep the experts gathered through the forward.
-            fully_shard(moe.experts, mesh=ctx.dp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,
-                        shard_placement_fn=lambda p: expert_shard_dim(p.shape, dp), **kw)
+            fully_shard(moe.experts, mesh=ctx.edp_mesh, reshard_after_forward=pcfg.n_chunks == 1 and not keep,
+                        shard_placement_fn=lambda p: expert_shard_dim(p.shape, edp), **kw)
         for block in blocks:
             fully_shard(block, mesh=ctx.fsdp_mesh, reshard_after_forward=not keep, **kw)
         # The root (embedding, final norm, output head, the MTP modules' own weights) stays gathered after forward,
@@ -105,12 +108,13 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     return model
 
 
-def expert_shard_dim(shape: tuple[int, ...], dp: int) -> Shard:
-    """The dim FSDP2 shards a stacked expert weight (E, N, K) on over DP: the first of dim 1 (2F or D) and dim 2 that
-    DP divides -- dim 0 is already split over EP, and FSDP2 refuses uneven shards of any dim but 0 -- else dim 0
-    (a strided split of the EP shard when EP > 1; uneven is allowed there, e.g. DP = 3)."""
+def expert_shard_dim(shape: tuple[int, ...], edp: int) -> Shard:
+    """The dim FSDP2 shards a stacked expert weight (E, N, K) on over the EDP ranks holding the same experts: the
+    first of dim 1 (2F or D) and dim 2 that EDP divides -- dim 0 is already split over EP, and FSDP2 refuses uneven
+    shards of any dim but 0 -- else dim 0 (a strided split of the EP shard when EP > 1; uneven is allowed there,
+    e.g. EDP = 3)."""
     for d in (1, 2):
-        if shape[d] % dp == 0:
+        if shape[d] % edp == 0:
             return Shard(d)
     return Shard(0)
 

@@ -7,7 +7,7 @@ into this rank's stages (:func:`build_stages`), each stage is parallelized like 
 over the stage's DP x EP ranks), materialised and initialised by name, then wrapped in ``PipelineStage`` objects
 driven by one of torch's schedules (:func:`build_schedule`).
 
-Stage-to-rank mapping (torch's own): "1f1b" / "interleaved-1f1b" loop -- stage s on pipeline rank s mod PP, so a
+Stage-to-rank mapping (torch's own): "1f1b" / "interleaved" loop -- stage s on pipeline rank s mod PP, so a
 rank holds VPP stages PP apart; "dualpipev" / "zbv" a V -- rank r holds stages r and 2 PP - 1 - r, so the first and
 last stages (embedding and head) share rank 0.
 """
@@ -22,7 +22,9 @@ import torch.distributed as dist
 from moetrain.model.config import ConfigError, ModelConfig
 from moetrain.model.stage import StageSpec, TransformerStage
 from moetrain.model.transformer import Transformer
-from moetrain.parallel.config import V_SCHEDULES, ParallelConfig
+from moetrain.errors import PlanError
+from moetrain.layout import Schedule, parse_layout
+from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.overlap import pair_schedule, paired_stage
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.schedules import check_microbatches, one_f_one_b_order
@@ -53,14 +55,12 @@ def default_layout(cfg: ModelConfig, n_stages: int) -> str:
 
 def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     """Every stage of the pipeline, in model order, from ``pcfg.pp_layout`` (Megatron's pipeline-layout grammar,
-    parsed by ``moetrain.plan.plan.parse_layout``, which the planner uses too) or :func:`default_layout`.
+    parsed by ``moetrain.layout.parse_layout``, which the planner uses too) or :func:`default_layout`.
 
     Raises:
         ConfigError: the layout does not match the model or the schedule, naming the expected count; tied
             embeddings (the last stage's head would share the first stage's embedding).
     """
-    from moetrain.plan.plan import PlanError, parse_layout
-
     n_stages = pcfg.n_stages
     if n_stages > 1 and cfg.tie_embeddings:
         raise ConfigError("model.tie_embeddings with parallel.pp > 1 is not supported (the head on the last stage "
@@ -73,7 +73,7 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
     where = (f"parallel.pp_layout={layout!r}" if pcfg.pp_layout else f"the default layout {layout!r}")
     if len(stages) != n_stages:
         raise ConfigError(f"{where} has {len(stages)} stages; expected PP x stages per rank = {pcfg.pp} x "
-                          f"{pcfg.stages_per_rank} = {n_stages} ({pcfg.pp_schedule})")
+                          f"{pcfg.stages_per_rank} = {n_stages} ({pcfg.schedule})")
     flat = "".join(stages)
     if flat.count("t") != cfg.n_layers:
         raise ConfigError(f"{where} places {flat.count('t')} layers 't'; the model has n_layers={cfg.n_layers}")
@@ -100,7 +100,7 @@ def stage_specs(cfg: ModelConfig, pcfg: ParallelConfig) -> list[StageSpec]:
 def stage_to_rank(pcfg: ParallelConfig, stage: int) -> int:
     """Pipeline rank of ``stage`` (torch's loop or V mapping)."""
     pp = pcfg.pp
-    if pcfg.pp_schedule in V_SCHEDULES and pp > 1:
+    if pcfg.schedule.is_v and pp > 1:
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
 
@@ -248,7 +248,7 @@ def _timed(cls: type) -> type:
 
 def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int, micro_batch: int, seq_len: int,
                    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> tuple[Any, list[Any]]:
-    """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.pp_schedule`` over this rank's stages.
+    """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.schedule`` over this rank's stages.
 
     Message shapes are declared up front (static metadata: no trial forward, whose MoE statistics and all-to-alls
     would count): a stage receives and sends the hidden state h (B, L, D) in ``act_dtype`` -- the token ids and
@@ -266,7 +266,7 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
                                               ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
 
     pcfg = ctx.pcfg
-    name = pcfg.pp_schedule
+    name = pcfg.schedule
     n_stages = pcfg.n_stages
     check_microbatches(pcfg, n_microbatches)
     B, L, D = micro_batch, seq_len, parts[0].cfg.dim
@@ -282,8 +282,8 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
                    else (h,))
         stages.append(Timed(part, part.spec.index, n_stages, dev, input_args=_to(inputs, dev),
                             output_args=_to(outputs, dev), group=ctx.pp_group))
-    cls = {"1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B, "dualpipev": ScheduleDualPipeV,
-           "zbv": ScheduleZBVZeroBubble}[name]
+    cls = {Schedule.ONE_F_ONE_B: Schedule1F1B, Schedule.INTERLEAVED: ScheduleInterleaved1F1B,
+           Schedule.DUALPIPEV: ScheduleDualPipeV, Schedule.ZBV: ScheduleZBVZeroBubble}[name]
     order = None
     if pcfg.ep_overlap and cls is Schedule1F1B:
         # The 1F1B order on the runtime that executes OVERLAP_F_B actions (torch's Schedule1F1B has its own loop).

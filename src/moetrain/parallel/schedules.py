@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from moetrain.model.config import ConfigError
+from moetrain.errors import ConfigError
+from moetrain.layout import Schedule
 from moetrain.parallel.config import ParallelConfig
 
 
@@ -21,11 +22,11 @@ def check_microbatches(pcfg: ParallelConfig, n_microbatches: int) -> None:
     Raises:
         ConfigError: naming the schedule, the need and ``train.grad_accum``.
     """
-    name, n_stages = pcfg.pp_schedule, pcfg.n_stages
-    need = n_stages if name == "dualpipev" else pcfg.pp
-    if n_microbatches < need or (name == "interleaved-1f1b" and n_microbatches % pcfg.pp):
-        rule = "a multiple of" if name == "interleaved-1f1b" else "at least"
-        raise ConfigError(f"parallel.pp_schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
+    name, n_stages = pcfg.schedule, pcfg.n_stages
+    need = n_stages if name == Schedule.DUALPIPEV else pcfg.pp
+    if n_microbatches < need or (name == Schedule.INTERLEAVED and n_microbatches % pcfg.pp):
+        rule = "a multiple of" if name == Schedule.INTERLEAVED else "at least"
+        raise ConfigError(f"parallel.schedule={name!r} with {n_stages} stages needs {rule} {need} micro-batches "
                           f"per step; train.grad_accum={n_microbatches} (leave it unset for the minimum)")
 
 
@@ -78,14 +79,16 @@ def paired_fraction(schedule: str, pp: int, vpp: int, n_microbatches: int) -> li
     size (the planner asks for thousands of plans; tests check the two counts agree).
 
     Args:
-        schedule: "1f1b", "interleaved-1f1b", "dualpipev" or "zbv" (``parallel.pp_schedule``).
+        schedule: a :class:`~moetrain.layout.Schedule` the trainer runs (``parallel.schedule``; older names
+            such as "interleaved-1f1b" accepted).
         pp, vpp: pipeline ranks and stages per rank (interleaved 1F1B; 2 for the V schedules).
         n_microbatches: micro-batches per step.
     """
     m = n_microbatches
     if pp == 1:
         return [(m - 1) / m if m > 1 else 0.0]
-    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == "interleaved-1f1b" else 1, pp_schedule=schedule)
+    schedule = Schedule.parse(schedule, "schedule")
+    pcfg = ParallelConfig(pp=pp, vpp=vpp if schedule == Schedule.INTERLEAVED else 1, schedule=schedule)
     try:
         check_microbatches(pcfg, m)
     except ConfigError:

@@ -13,12 +13,14 @@ import json
 import sys
 from typing import Any
 
+from moetrain.config import JobConfig, build_job_config
 from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file, with_overrides
 from moetrain.plan.model import predict
 from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISIONS, DISPATCHERS, FRAMEWORKS,
                                 OPTIMIZERS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING, SCHEDULE_ALIASES,
                                 SCHEDULES, Plan, PlanError)
 from moetrain.plan.records import RECORDS, Record, get_record
+from moetrain.plan.local import local_plan
 from moetrain.plan.shape import ShapeError, load_shape
 
 #: plan fields settable from the command line: (flag, Plan field, type)
@@ -75,7 +77,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
     g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
     g.add_argument("--schedule", choices=list(SCHEDULES) + list(SCHEDULE_ALIASES),
-                   help="pipeline schedule; the trainer's names interleaved-1f1b and dualpipev are accepted")
+                   help="pipeline schedule (moetrain.layout.Schedule); the older name interleaved-1f1b is accepted")
     g.add_argument("--dispatcher", choices=DISPATCHERS, help="token dispatcher: alltoall (a row per token-expert "
                    "pair), flex (DeepEP/HybridEP: a row per destination rank / domain), allgather; default: the "
                    "framework's (the record's recipe with --record)")
@@ -153,15 +155,13 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
     gpu = gpu_from_bench(args.bench_file) if gpu_name == "local" else get_gpu(gpu_name)
     # a `moetrain bench` machine defaults to the trainer's own run on it (model, data, batch, EP, processes)
     local = gpu.host_procs is not None
-    if local:  # the trainer's own job: moetrain.plan.local sits with train (it reads the job config)
-        from moetrain.plan.local import trainer_plan, trainer_preset
-    shape = load_shape(args.model or (rec.model if rec else trainer_preset() if local else "deepseek-v3-671b"))
+    shape = load_shape(args.model or (rec.model if rec else _trainer_preset() if local else "deepseek-v3-671b"))
     if args.nic_gbit is not None:
         gpu = with_overrides(gpu, nic_gbps=args.nic_gbit / 8)
     if args.nvlink_domain is not None:
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
     n = args.gpus if args.gpus is not None else (rec.n_gpus if rec else gpu.host_procs if local else 256)
-    plan = rec.plan if rec else trainer_plan(shape, n, args) if local else Plan()
+    plan = rec.plan if rec else _builtin_job_plan(shape, n, args) if local else Plan()
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)
@@ -197,6 +197,36 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
               f"{plan.n_microbatches if plan.dp else 'one'} per step: nothing is hidden (raise --gbs)",
               file=sys.stderr)
     return shape, gpu, n, plan, rec
+
+
+def _trainer_preset() -> str:
+    """The model preset of `moetrain train`'s built-in job."""
+    return JobConfig().preset
+
+
+def _builtin_job_plan(shape: Any, n: int, args: argparse.Namespace | None = None) -> Plan:
+    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes, with the
+    pipeline flags given (``--pp``, ``--vpp``, ``--schedule``, ``--pp-layout``) applied the way the trainer applies
+    them (an unset micro-batch count becomes the schedule's minimum; an unset split the trainer's default, the
+    planner's own), so the plan is the run ``moetrain train`` would do with the same flags."""
+    pp = getattr(args, "pp", None) or 1
+    parallel: dict[str, Any] = {}
+    if pp > 1:
+        given = {"pp": pp, "vpp": getattr(args, "vpp", None), "schedule": getattr(args, "schedule", None),
+                 "pp_layout": getattr(args, "pp_layout", None)}
+        parallel = {k: v for k, v in given.items() if v is not None}
+    job = build_job_config({"parallel": parallel})
+    cfg = shape.config
+    layout = job.parallel.pp_layout
+    if pp > 1 and layout is None and hasattr(cfg, "routing"):
+        from moetrain.parallel.pipeline import default_layout
+        layout = default_layout(cfg, job.parallel.n_stages)  # the trainer's split where the planner has none
+    stage = n // pp
+    ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
+    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
+                      job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
+                      schedule=job.parallel.schedule, pp_layout=layout)
+    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
 
 
 def _said_chart(args: argparse.Namespace) -> None:

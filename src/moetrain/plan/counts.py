@@ -218,7 +218,7 @@ def count_code(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool = 
         cfg: the model; its ``routing`` selects the code path whose operators are counted (forced balance skips
             the top-k selection). Bytes are counted under forced balance (see the comment in the code).
         seq_len: the run's sequence length, 1 to ``cfg.max_seq_len`` (the trainer's limit too).
-        activation_checkpointing: the trainer's ``parallel.activation_checkpointing``.
+        activation_checkpointing: the trainer's ``parallel.recompute`` "full".
 
     Raises:
         ValueError: a sequence length outside 1..max_seq_len, or counting would need more than half of this

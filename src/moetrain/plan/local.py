@@ -19,10 +19,10 @@ rest of ``moetrain.plan`` does not import upward.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import Any
 
+from moetrain.layout import LAYOUT_FIELDS, Layout
 from moetrain.model.config import ModelConfig
 from moetrain.plan.counts import count_code
 from moetrain.plan.hardware import GPUSpec, gpu_from_bench
@@ -54,15 +54,60 @@ def local_plan(model_cfg: ModelConfig, seq_len: int, micro_batch: int, grad_accu
                ep: int = 2, activation_checkpointing: bool = False, precision: str = "fp32", pp: int = 1,
                vpp: int = 1, schedule: str = "1f1b", pp_layout: str | None = None, ep_overlap: bool = False) -> Plan:
     """The :class:`Plan` of a local ``moetrain train`` run: PP stages of DP = world / PP ranks each, EP carved out
-    of a stage's ranks, FSDP2; ``schedule`` and ``vpp`` as ``parallel.pp_schedule`` / ``parallel.vpp`` (the trainer's
-    names; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
+    of a stage's ranks, FSDP2 (parameters resharded after each pass -- fsdp -- unless pipelining or EP overlap
+    keep them gathered through the step, as the trainer does); ``schedule`` and ``vpp`` as ``parallel.schedule`` / ``parallel.vpp`` (older names
+    accepted; ``grad_accum`` micro-batches per step); ``ep_overlap`` as ``parallel.ep_overlap`` (the planner's
     "paired-microbatch" schedule at PP = 1, the schedule's own F&B pairs under pipelining)."""
     return Plan(tp=1, pp=pp, vpp=vpp if pp > 1 else 1, ep=ep, cp=1, dp=world // pp, micro_batch=micro_batch,
                 global_batch=micro_batch * grad_accum * (world // pp), seq_len=seq_len, precision=precision,
                 recompute="full" if activation_checkpointing else "none", ep_overlap=ep_overlap,
-                routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32", fsdp=True,
+                routing="balanced" if model_cfg.routing == "balanced" else "real", optimizer="fp32",
+                fsdp=not (pp > 1 or ep_overlap),
                 schedule=schedule if pp > 1 else None, pp_layout=pp_layout if pp > 1 else None,
                 framework="moetrain", name="local moetrain train")
+
+
+def trainer_plan(model_cfg: ModelConfig, layout: Layout, micro_batch: int, grad_accum: int, seq_len: int) -> Plan:
+    """The planner's :class:`Plan` of a ``moetrain train`` run with ``layout`` (framework moetrain): ``grad_accum``
+    micro-batches of ``micro_batch`` sequences per step and data-parallel rank."""
+    dp = layout.dp or 1
+    return Plan(**{f: getattr(layout, f) for f in LAYOUT_FIELDS}, micro_batch=micro_batch,
+                global_batch=micro_batch * grad_accum * dp, seq_len=seq_len,
+                routing="balanced" if model_cfg.routing == "balanced" else "real", framework="moetrain",
+                name="moetrain train")
+
+
+def planned_split(model_cfg: ModelConfig, layout: Layout, micro_batch: int, grad_accum: int, seq_len: int,
+                  gpu: str = "H100") -> str:
+    """The planner's cost-balanced pipeline split of a ``moetrain train`` run (the stages
+    :func:`moetrain.plan.model.predict` balances on ``gpu``), as a Megatron layout ("Ett|ttmL").
+
+    Raises:
+        PlanError / ValueError: the planner cannot model the run (its message says why).
+    """
+    plan = trainer_plan(model_cfg, layout, micro_batch, grad_accum, seq_len)
+    world = layout.pp * (layout.dp or 1)
+    stages = predict(model_cfg, gpu, world, plan, _ignore_memory=True).details["stages"]
+    return "|".join(s.replace("d", "t") for s in stages)
+
+
+def default_split(model_cfg: ModelConfig, pcfg: Any, micro_batch: int, grad_accum: int, seq_len: int,
+                  world: int | None) -> tuple[str | None, str]:
+    """The trainer's default pipeline split: the planner's cost-balanced one (:func:`planned_split`) of a run of
+    ``pcfg`` (a ``ParallelConfig``) on ``world`` processes, checked against the trainer's stage rules. Returns
+    ``(layout, "")``, or ``(None, why)`` where the planner cannot model the run or its split does not fit the
+    trainer (the caller then splits evenly)."""
+    from moetrain.parallel.pipeline import stage_specs
+
+    dp = pcfg.dp or (world // pcfg.pp if world and world % pcfg.pp == 0 else pcfg.ep)
+    layout = pcfg.replace(dp=dp, precision=pcfg.run_precision("cuda"), fsdp=not pcfg.keeps_params_gathered,
+                          mtp_depth=None)
+    try:
+        split = planned_split(model_cfg, layout, micro_batch, grad_accum, seq_len)
+        stage_specs(model_cfg, pcfg.replace(pp_layout=split))
+    except (ValueError, KeyError) as e:  # PlanError and ConfigError are ValueErrors
+        return None, str(e)
+    return split, ""
 
 
 def predict_measured(model: Any, gpu: GPUSpec, n_gpus: int, plan: Plan) -> Prediction:
@@ -100,7 +145,7 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
         seq_len, micro_batch, grad_accum: the trainer's data.seq_len, train.micro_batch_size, train.grad_accum.
         world, ep: processes and expert-parallel size.
         bench_json: a ``moetrain bench`` result (dict or path; default .cache/moetrain/bench.json).
-        activation_checkpointing: parallel.activation_checkpointing.
+        activation_checkpointing: ``parallel.recompute`` "full".
         precision: "fp32" (the trainer's CPU default).
 
     Raises:
@@ -115,42 +160,3 @@ def predict_local_train(model_cfg: ModelConfig, seq_len: int, micro_batch: int, 
     tok = pred.tokens_per_s_per_gpu * world
     return LocalPrediction(tokens_per_s=tok, tokens_per_s_per_proc=pred.tokens_per_s_per_gpu,
                            step_s=pred.step.step, prediction=pred)
-
-
-def trainer_preset() -> str:
-    """The model preset of `moetrain train`'s built-in job."""
-    from moetrain.config import JobConfig
-
-    return JobConfig().preset
-
-
-def trainer_plan(shape: Any, n: int, args: argparse.Namespace | None = None) -> Plan:
-    """The plan of `moetrain train`'s built-in job (data, batch and EP defaults) on ``n`` local processes, with the
-    pipeline flags given (``--pp``, ``--vpp``, ``--schedule``, ``--pp-layout``) applied the way the trainer applies
-    them (an unset micro-batch count becomes the schedule's minimum), so the plan is the run ``moetrain train``
-    would do with the same flags."""
-    from moetrain.config import load_job_config
-    from moetrain.train.from_plan import SCHEDULE_NAMES
-
-    sets = []
-    pp = getattr(args, "pp", None) or 1
-    if pp > 1:
-        sets.append(f"parallel.pp={pp}")
-        if getattr(args, "vpp", None):
-            sets.append(f"parallel.vpp={args.vpp}")
-        if getattr(args, "schedule", None):
-            sets.append(f'parallel.pp_schedule="{SCHEDULE_NAMES.get(args.schedule, args.schedule)}"')
-        if getattr(args, "pp_layout", None):
-            sets.append(f'parallel.pp_layout="{args.pp_layout}"')
-    job = load_job_config(None, sets)
-    cfg = shape.config
-    layout = job.parallel.pp_layout
-    if pp > 1 and layout is None and hasattr(cfg, "routing"):
-        from moetrain.parallel.pipeline import default_layout
-        layout = default_layout(cfg, job.parallel.n_stages)  # the split the trainer makes
-    stage = n // pp
-    ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
-    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
-                      job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
-                      schedule=job.parallel.pp_schedule, pp_layout=layout)
-    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")

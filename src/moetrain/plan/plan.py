@@ -16,17 +16,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moetrain.errors import PlanError  # noqa: F401 - the planner's error, raised and caught as moetrain.plan.plan.PlanError
+from moetrain.layout import ATTN_PRECISIONS as _ATTN_PRECISIONS
+from moetrain.layout import DISPATCH_PRECISIONS as _DISPATCH_PRECISIONS
+from moetrain.layout import parse_layout
+from moetrain.layout import (LAYOUT_FIELDS, VALUE_ALIASES, CudaGraphs, Dispatcher, Framework, Layout, OptimizerStates,
+                             Precision, Recompute, Routing, Schedule, coerce_names)
 from moetrain.plan.hardware import GPUSpec
 from moetrain.plan.shape import ModelShape
 
-PRECISIONS = ("bf16", "fp8", "mxfp8", "fp32")
-ATTN_PRECISIONS = ("bf16", "fp8")
-DISPATCH_PRECISIONS = ("bf16", "fp8")
-RECOMPUTE = ("none", "selective", "full")
+#: The planner's closed sets are the enums of :mod:`moetrain.layout` (one table, shared with the trainer); these
+#: tuples are their values, for argparse choices and messages.
+PRECISIONS = Precision.values()
+ATTN_PRECISIONS = tuple(p.value for p in _ATTN_PRECISIONS)
+DISPATCH_PRECISIONS = tuple(p.value for p in _DISPATCH_PRECISIONS)
+RECOMPUTE = Recompute.values()
 #: Modules a selective recompute can cover, named as Megatron-Core's ``--recompute-modules`` names them
 #: (megatron/core/transformer/transformer_config.py ``recompute_modules``):
 #: "core_attn" (the attention kernel: only its inputs are kept), "mla_up_proj" (MLA up-projections + RoPE, and the
@@ -38,29 +45,18 @@ RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "moe
 #: Older spellings still accepted (this package's first names): "norm" = "layernorm".
 RECOMPUTE_ALIASES = {"norm": "layernorm"}
 DEFAULT_SELECTIVE = ("layernorm", "mla_up_proj")
-ROUTING = ("balanced", "real")
-#: Pipeline schedules. "interleaved" = Megatron's interleaved 1F1B (VPP > 1; with EP overlap its combined 1F1B),
-#: "dualpipe" = DeepSeek's bidirectional DualPipe (rank d holds stage d of one direction and PP-1-d of the other:
-#: two copies of the parameters, F&B chunk pairs), "dualpipev" = DualPipeV (the V-shaped variant: 2 PP chunks,
-#: rank d holds chunks d and 2PP-1-d, one copy of the parameters, F&B chunk pairs; torch.distributed.pipelining
-#: ``ScheduleDualPipeV``, what moetrain's trainer runs), "zbv" = the zero-bubble V schedule
-#: (``ScheduleZBVZeroBubble``: the same V, split input / weight backward, no F&B pairing). The trainer's
-#: "interleaved-1f1b" is accepted for "interleaved" (SCHEDULE_ALIASES).
-SCHEDULES = ("1f1b", "interleaved", "dualpipe", "dualpipev", "zbv")
-SCHEDULE_ALIASES = {"interleaved-1f1b": "interleaved", "dualpipe-v": "dualpipev"}
-#: Schedules that hold two chunks per rank in a V (the trainer's ``V_SCHEDULES``).
-V_SCHEDULES = ("dualpipev", "zbv")
-#: Token dispatchers (docs/reference.md section 10): "alltoall" sends one row per (token, expert) pair (Megatron
-#: ``alltoall``, TorchTitan's default); "flex" one per (token, destination rank), and across NVLink domains one
-#: per (token, destination domain) forwarded over NVLink there (DeepEP, HybridEP, Megatron ``flex``);
-#: "allgather" all-gathers every token of the EP group and reduce-scatters the outputs (Megatron ``allgather``).
-DISPATCHERS = ("alltoall", "flex", "allgather")
+ROUTING = Routing.values()
+#: Pipeline schedules: :class:`moetrain.layout.Schedule` (what each means); older names in SCHEDULE_ALIASES.
+SCHEDULES = Schedule.values()
+SCHEDULE_ALIASES = VALUE_ALIASES["Schedule"]
+#: Schedules that hold two chunks per rank in a V.
+V_SCHEDULES = tuple(s.value for s in Schedule if s.is_v)
+#: Token dispatchers: :class:`moetrain.layout.Dispatcher` (docs/reference.md section 10).
+DISPATCHERS = Dispatcher.values()
 #: Frameworks whose recipe defaults and runnable plans the model knows (see FRAMEWORK_DEFAULTS).
-FRAMEWORKS = ("megatron", "deepseek", "torchtitan", "moetrain")
-#: CUDA graph coverage: "full" = whole-iteration graphs (no host launch cost), "partial" = the static parts
-#: graphed (Megatron ``cuda_graph_scope`` attn / moe_router / moe_preprocess; the dropless expert part and the
-#: dispatch stay eager), "none" = eager launches.
-CUDA_GRAPHS = ("full", "partial", "none")
+FRAMEWORKS = Framework.values()
+#: CUDA graph coverage: :class:`moetrain.layout.CudaGraphs`.
+CUDA_GRAPHS = CudaGraphs.values()
 #: What each framework does when the plan does not say: its default dispatcher and CUDA-graph use.
 #: Megatron-Core: ``moe_token_dispatcher_type`` is set by every published recipe (alltoall or flex), its default
 #: ``cuda_graph_impl`` is "none". DeepSeek-V3: DeepEP-style kernels (report sec. 3.2.2: one copy per node, then
@@ -68,21 +64,18 @@ CUDA_GRAPHS = ("full", "partial", "none")
 #: (token, expert) rows, eager (its default). moetrain: its dispatcher sends one row per (token, destination
 #: rank) (``moetrain.parallel.dispatch``), eager PyTorch.
 FRAMEWORK_DEFAULTS = {
-    "megatron": {"dispatcher": "alltoall", "cuda_graphs": "none"},
-    "deepseek": {"dispatcher": "flex", "cuda_graphs": "none"},
-    "torchtitan": {"dispatcher": "alltoall", "cuda_graphs": "none"},
-    "moetrain": {"dispatcher": "flex", "cuda_graphs": "none"},
+    Framework.MEGATRON: {"dispatcher": Dispatcher.ALLTOALL, "cuda_graphs": CudaGraphs.NONE},
+    Framework.DEEPSEEK: {"dispatcher": Dispatcher.FLEX, "cuda_graphs": CudaGraphs.NONE},
+    Framework.TORCHTITAN: {"dispatcher": Dispatcher.ALLTOALL, "cuda_graphs": CudaGraphs.NONE},
+    Framework.MOETRAIN: {"dispatcher": Dispatcher.FLEX, "cuda_graphs": CudaGraphs.NONE},
 }
-OPTIMIZERS = ("fp32", "bf16-moments", "bf16")
-
-
-class PlanError(ValueError):
-    """The plan cannot run on this model and cluster; the message says which value is wrong and what is allowed."""
+OPTIMIZERS = OptimizerStates.values()
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How one training run is laid out.
+class Plan(Layout):
+    """How one training run is laid out: its :class:`~moetrain.layout.Layout` plus what only a prediction needs
+    (batch, routing statistics, node limit, framework, name).
 
     Attributes:
         tp, pp, vpp, ep, cp: tensor, pipeline, virtual-pipeline (model chunks per pipeline rank), expert and
@@ -135,62 +128,23 @@ class Plan:
     ``moe_a2a_overlap``), and what it hides follows from the schedule (:attr:`overlap_schedule`).
     """
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    ep: int = 1
-    cp: int = 1
-    dp: int | None = None
     micro_batch: int = 1
     global_batch: int = 1024
     seq_len: int = 4096
-    precision: str = "bf16"
-    attn_precision: str = "bf16"
-    dispatch_precision: str = "bf16"
-    recompute: str = "none"
-    recompute_modules: tuple[str, ...] | None = None
-    ep_overlap: bool = False
-    routing: str = "balanced"
+    routing: Routing = Routing.BALANCED
     imbalance: float | None = None
     node_limit_m: int | None = None
-    schedule: str | None = None
-    pp_layout: str | None = None
-    optimizer: str = "bf16-moments"
-    fp8_param: bool = False
-    fsdp: bool = False
-    dp_overlap: bool = True
-    dispatcher: str | None = None
-    framework: str = "megatron"
-    cuda_graphs: str | None = None
-    mtp_depth: int | None = None
-    fused_mlp: bool = False
+    framework: Framework = Framework.MEGATRON
     name: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        coerce_names(self, {"routing": Routing, "framework": Framework})
 
     # ---- derived ---------------------------------------------------------------------------------------------
     @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * (self.dp or 1)
-
-    @property
-    def stage_size(self) -> int:
-        """Ranks per pipeline stage (TP*CP*DP)."""
-        return self.tp * self.cp * (self.dp or 1)
-
-    @property
-    def edp(self) -> int:
-        """Expert data-parallel size: replicas of each expert."""
-        return self.stage_size // self.ep
-
-    @property
     def n_microbatches(self) -> int:
         return self.global_batch // ((self.dp or 1) * self.micro_batch)
-
-    @property
-    def resolved_schedule(self) -> str:
-        """The schedule under this package's names (the trainer's "interleaved-1f1b" / "dualpipev" mapped)."""
-        if self.schedule:
-            return SCHEDULE_ALIASES.get(self.schedule, self.schedule)
-        return "interleaved" if self.vpp > 1 else "1f1b"
 
     @property
     def resolved_dispatcher(self) -> str:
@@ -266,6 +220,12 @@ class Plan:
     def replace(self, **changes: Any) -> "Plan":
         return dataclasses.replace(self, **changes)
 
+    def layout(self) -> Layout:
+        """The plan's :class:`~moetrain.layout.Layout` alone, with the schedule, dispatcher and CUDA graphs the
+        plan resolves (what a run of it must execute)."""
+        return Layout(**{f: getattr(self, f) for f in LAYOUT_FIELDS}).replace(
+            schedule=self.resolved_schedule, dispatcher=self.resolved_dispatcher, cuda_graphs=self.resolved_cuda_graphs)
+
     def for_framework(self, framework: str) -> "Plan":
         """This plan as another framework's recipe: that framework's dispatcher and CUDA-graph defaults, and none
         of this recipe's kernels (the fused grouped MLP). The same plan when ``framework`` is its own."""
@@ -275,6 +235,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d = {k: d[k] for k in _JSON_ORDER}  # the keys in the order the plan files always had
         d["schedule"] = self.resolved_schedule
         # the framework's defaults where the plan leaves them unset, so a reader sees what was costed
         d["dispatcher"] = self.resolved_dispatcher
@@ -316,46 +277,14 @@ class Plan:
         return s
 
 
+#: The plan's JSON keys in the order ``moetrain plan --json`` has always written them.
+_JSON_ORDER = ("tp", "pp", "vpp", "ep", "cp", "dp", "micro_batch", "global_batch", "seq_len", "precision",
+               "attn_precision", "dispatch_precision", "recompute", "recompute_modules", "ep_overlap", "routing",
+               "imbalance", "node_limit_m", "schedule", "pp_layout", "optimizer", "fp8_param", "fsdp", "dp_overlap",
+               "dispatcher", "framework", "cuda_graphs", "mtp_depth", "fused_mlp", "name")
+
+
 # ---- pipeline layout -------------------------------------------------------------------------------------------
-
-def _expand(s: str) -> str:
-    """Expand Megatron layout repetitions: ``(t*4|)*2`` -> ``t*4|t*4|`` -> ``tttt|tttt|``."""
-    out: list[str] = []
-    i = 0
-
-    def read_count(j: int) -> tuple[int, int]:
-        m = re.match(r"\*(\d+)", s[j:])
-        if not m:
-            return 1, j
-        return int(m.group(1)), j + m.end()
-
-    while i < len(s):
-        c = s[i]
-        if c == "(":
-            depth, j = 1, i + 1
-            while j < len(s) and depth:
-                depth += {"(": 1, ")": -1}.get(s[j], 0)
-                j += 1
-            if depth:
-                raise PlanError(f"pp_layout {s!r}: unbalanced parentheses")
-            inner = _expand(s[i + 1:j - 1])
-            n, i = read_count(j)
-            out.append(inner * n)
-        elif c in "EtmL|":
-            n, i = read_count(i + 1)
-            out.append(c * n)
-        elif c.isspace() or c == ",":
-            i += 1
-        else:
-            raise PlanError(f"pp_layout {s!r}: unexpected character {c!r}; allowed: E t m L | ( ) *N")
-    return "".join(out)
-
-
-def parse_layout(layout: str) -> list[str]:
-    """Split a Megatron pipeline layout into per-virtual-stage item strings (e.g. ``["Etttt", "tttt", ...]``)."""
-    stages = _expand(layout).split("|")
-    return stages
-
 
 def default_items(shape: ModelShape) -> list[str]:
     """The item sequence of a model: E, its layers ("d" dense, "t" MoE), MTP modules "m", head "L"."""

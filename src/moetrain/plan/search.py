@@ -25,13 +25,14 @@ MEMORY_HEADROOM = 0.05
 #: What each framework runs, for ``--search`` (by default a search keeps to the plan's framework):
 #: tensor / context parallel sizes, GEMM precisions, pipeline schedules, whether its EP overlap exists, FSDP.
 #: moetrain: what its trainer runs -- data x expert parallel with FSDP2, pipeline parallel with the 1f1b /
-#: interleaved-1f1b / dualpipev / zbv schedules (moetrain.parallel.config.PP_SCHEDULES), no TP, no CP, no FP8
-#: GEMMs yet (BF16 on GPUs). Megatron-Core:
+#: interleaved / dualpipev / zbv schedules (moetrain.parallel.config.PP_SCHEDULES), no TP, no CP, no FP8
+#: GEMMs yet (BF16 on GPUs); FSDP "trainer": resharded after every pass at PP 1 without EP overlap, else kept
+#: gathered through the step (``ParallelConfig.keeps_params_gathered``). Megatron-Core:
 #: TP, CP, FP8, 1F1B and interleaved 1F1B (combined 1F1B with EP overlap), no DualPipe. DeepSeek-V3's framework:
 #: DualPipe, no TP (report sec. 3.2). TorchTitan: TP, CP, FP8, 1F1B / interleaved / ZBV, no EP overlap.
 FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {
     "moetrain": {"tp": (1,), "cp": (1,), "precisions": ("bf16", "fp32"),
-                 "schedules": ("1f1b", "interleaved", "dualpipev", "zbv"), "ep_overlap": True, "fsdp": True},
+                 "schedules": ("1f1b", "interleaved", "dualpipev", "zbv"), "ep_overlap": True, "fsdp": "trainer"},
     "megatron": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved"),
                  "ep_overlap": True, "fsdp": None},
     "deepseek": {"tp": (1,), "cp": (1,), "precisions": None, "schedules": ("dualpipe", "1f1b"),
@@ -204,7 +205,7 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
             base = base.replace(precision="bf16", attn_precision="bf16", dispatch_precision="bf16",
                                 fp8_param=False)
         if rules["fsdp"] is not None:
-            base = base.replace(fsdp=rules["fsdp"])
+            base = base.replace(fsdp=bool(rules["fsdp"]))
         base = base.for_framework(fw)
         restriction = (f"TP {'/'.join(map(str, tps))}, CP {'/'.join(map(str, cps))}, schedules "
                        f"{', '.join(scheds)}, precision {base.precision}, EP overlap "
@@ -247,6 +248,8 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                                         ep_overlap=allow_overlap and e > 1 or
                                                         (sched in ("dualpipe", "dualpipev")), pp_layout=None,
                                                         dispatcher=base.dispatcher)
+                                    if rules and rules["fsdp"] == "trainer":
+                                        cand = cand.replace(fsdp=not (p > 1 or cand.ep_overlap))
                                     try:
                                         pr = predict(shape, spec, n_gpus, cand)
                                     except PlanError:

@@ -1,4 +1,4 @@
-"""FP8 training (``train.fp8``): quantisation reference, FP8 linear and grouped GEMMs, recipes.
+"""FP8 training (``parallel.precision`` fp8 / mxfp8): quantisation reference, FP8 linear and grouped GEMMs, recipes.
 
 These are the kernels the model's modules call, below the model in the layers (tools/import_graph.py).
 :func:`moetrain.precision.apply.apply_fp8`, which swaps them into a built model, sits above it and is not

@@ -257,7 +257,7 @@ def warn_emulated(what: str, fmt: ScaleFormat, device: torch.device, why: str | 
         why = f"torch's scaled GEMM for these scales needs {need}"
     recipe = "mxfp8" if fmt == "e8m0" else "blockwise"
     warnings.warn(f"FP8 {what} ({recipe}) run emulated on this sm{cap[0]}{cap[1]} GPU: {why}; each GEMM multiplies "
-                  "the dequantised FP8 values in high precision, slower than bf16 (train.fp8=none is faster)",
+                  "the dequantised FP8 values in high precision, slower than bf16 (parallel.precision=bf16 is faster)",
                   RuntimeWarning, stacklevel=3)
 
 

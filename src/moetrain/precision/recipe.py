@@ -127,7 +127,8 @@ RECIPES: dict[str, Fp8Recipe] = {"blockwise": BLOCKWISE, "mxfp8": MXFP8}
 
 
 def get_recipe(recipe: str | Fp8Recipe | None) -> Fp8Recipe | None:
-    """The recipe of a ``train.fp8`` value: None for "none" or None, else the :class:`Fp8Recipe`.
+    """The recipe of an FP8 recipe name (``PLAN_PRECISION_TO_FP8`` of ``parallel.precision``): None for "none" or
+    None, else the :class:`Fp8Recipe`.
 
     Raises:
         ValueError: an unknown name.
@@ -141,7 +142,7 @@ def get_recipe(recipe: str | Fp8Recipe | None) -> Fp8Recipe | None:
     return RECIPES[recipe]
 
 
-#: The planner's ``Plan.precision`` (moetrain.plan.plan.PRECISIONS) -> ``train.fp8``: "fp8" is DeepSeek-V3's
-#: blockwise recipe (the H800/H100 records), "mxfp8" the Blackwell one. ``Plan.dispatch_precision`` ("bf16" /
-#: "fp8") is ``parallel.dispatch_dtype`` value for value.
+#: ``parallel.precision`` / ``Plan.precision`` (:class:`moetrain.layout.Precision`) -> the FP8 recipe the GEMMs run:
+#: "fp8" is DeepSeek-V3's blockwise recipe (the H800/H100 records), "mxfp8" the Blackwell one; the one such map.
+#: ``dispatch_precision`` ("bf16" / "fp8") is the dispatcher's wire format value for value.
 PLAN_PRECISION_TO_FP8: dict[str, str] = {"bf16": "none", "fp32": "none", "fp8": "blockwise", "mxfp8": "mxfp8"}

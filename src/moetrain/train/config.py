@@ -27,8 +27,8 @@ class TrainConfig:
         out_dir: run directory (metrics.jsonl, TensorBoard events, checkpoints/).
         resume: continue from the newest complete checkpoint in out_dir/checkpoints.
         nproc: worker processes that ``moetrain train`` launches on this machine (0 = one per GPU, else 2 on CPU).
-        device: "auto" (cuda if available), "cuda" or "cpu".
-        dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32".
+        device: "auto" (cuda if available), "cuda" or "cpu". The step's precision is ``parallel.precision`` (the
+            older train.dtype and train.fp8 are read as it).
         tensorboard: also write TensorBoard events.
         threads_per_proc: CPU threads per worker (0 = cores / workers).
         init_from: a HF checkpoint directory (released layout: safetensors + config.json) to start from; its
@@ -36,12 +36,6 @@ class TrainConfig:
             from a checkpoint of the run.
         allow_schedule_change: let a resume change the learning-rate schedule (lr, min_lr, warmup_steps,
             schedule, or steps under a decaying schedule); refused otherwise, since it changes the LR mid-run.
-        fp8: FP8 GEMMs: "none", "blockwise" (DeepSeek-V3: E4M3, fp32 scales; linears 1x128 activation/gradient
-            tiles and 128x128 weight blocks, routed experts one scale per token row and per weight row, as Hopper's
-            grouped FP8 kernel takes them) or "mxfp8" (OCP MX: 32-element blocks, E8M0 scales). Dense,
-            shared-expert and routed-expert FFNs, MLA projections; embedding, head, router, norms and attention stay
-            high precision (docs/fp8.md). Where the GPU has no FP8 kernel for the recipe the quantised values are
-            multiplied in higher precision (fp32 on CPU, TF32 or bf16 on a GPU, warned once).
         profile_steps: optimizer steps (1-based) to record with ``torch.profiler``; each writes a Chrome trace
             ``out_dir/profile/step<N>-rank<r>.json`` (open in Perfetto or chrome://tracing), where EP overlap's
             forward and backward segments of the paired micro-batches appear as named ranges.
@@ -69,12 +63,10 @@ class TrainConfig:
     resume: bool = False
     nproc: int = 0
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
     tensorboard: bool = True
     threads_per_proc: int = 0
     init_from: str | None = None
     allow_schedule_change: bool = False
-    fp8: Literal["none", "blockwise", "mxfp8"] = "none"
     profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -99,9 +91,5 @@ class TrainConfig:
             raise ConfigError(f"train.schedule={self.schedule!r}; allowed: 'cosine', 'wsd', 'constant'")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"train.device={self.device!r}; allowed: 'auto', 'cuda', 'cpu'")
-        if self.dtype not in ("auto", "bf16", "fp32"):
-            raise ConfigError(f"train.dtype={self.dtype!r}; allowed: 'auto', 'bf16', 'fp32'")
-        if self.fp8 not in ("none", "blockwise", "mxfp8"):
-            raise ConfigError(f"train.fp8={self.fp8!r}; allowed: 'none', 'blockwise', 'mxfp8'")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"train.beta1={self.beta1}, train.beta2={self.beta2} must be in [0, 1)")

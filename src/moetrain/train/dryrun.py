@@ -9,7 +9,11 @@ Two forms:
   ones (rank 0 holds the largest FSDP shards), and nothing is allocated.
 
 Beside the held bytes the report prints the performance model's memory prediction for the same plan
-(:func:`moetrain.plan.model.predict`), so the two can be compared.
+(:func:`moetrain.plan.model.predict`), so the two can be compared. ``dry_run.json`` carries the
+:class:`~moetrain.layout.Layout` the run executes under the planner's names ("layout"); the ``--world`` form prints,
+for every pipeline stage, the run's stage (items, parameters) beside the planner's prediction for the same stage,
+and rank 0's memory beside the planner's for pipeline rank 0 -- for ``--plan``, the prediction of that plan on its
+GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import JobConfig
+from moetrain.layout import LAYOUT_FIELDS, Dispatcher, Layout
+from moetrain.model.moe import GroupedExperts
+from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
 
@@ -67,23 +74,107 @@ def rank_memory(model: torch.nn.Module, ctx: ParallelContext, measured: bool = T
     return RankMemory(ctx.rank, n, pb, pb, 2 * pb, measured_peak(ctx.device) if measured else None)
 
 
-def predicted_memory(job: JobConfig, world: int, device_type: str) -> dict[str, float] | None:
-    """The performance model's per-rank memory (GiB) for the plan this run executes; None if it cannot model it."""
-    from moetrain.plan.local import local_plan
+def run_layout(job: JobConfig, pcfg: ParallelConfig, device_type: str) -> Layout:
+    """The :class:`~moetrain.layout.Layout` a run of ``job`` executes on ``pcfg`` (resolved against the world) on
+    ``device_type``: "auto" precision resolved, the pipeline split it makes, the model's MTP depth, and the
+    per-assignment all-to-all that capacity mode always sends."""
+    from moetrain.parallel.pipeline import default_layout
+
+    pp_layout = (pcfg.pp_layout or default_layout(job.model, pcfg.n_stages)) if pcfg.pp > 1 else None
+    return Layout(**{f: getattr(pcfg, f) for f in LAYOUT_FIELDS}).replace(
+        precision=pcfg.run_precision(device_type), mtp_depth=job.model.mtp_depth, pp_layout=pp_layout,
+        dispatcher=pcfg.run_dispatcher if pcfg.capacity_factor is None else Dispatcher.ALLTOALL)
+
+
+def job_plan(job: JobConfig, layout: Layout) -> Any:
+    """The planner's :class:`~moetrain.plan.plan.Plan` of a run of ``job`` with ``layout`` (framework moetrain)."""
+    from moetrain.plan.local import trainer_plan
+
+    return trainer_plan(job.model, layout, job.train.micro_batch_size, job.train.grad_accum, job.data.seq_len)
+
+
+def predict_run(job: JobConfig, world: int, layout: Layout, plan: Any = None) -> Any:
+    """The performance model's prediction for this run: of ``plan`` (a ``PlanFile``: its own plan, on its GPU) when
+    the job came from one, else of the job's own plan on an H100. Returns the Prediction, or the error's text."""
     from moetrain.plan.model import predict
 
-    precision = "bf16" if device_type == "cuda" and job.train.dtype != "fp32" else "fp32"
-    plan = local_plan(job.model, job.data.seq_len, job.train.micro_batch_size, job.train.grad_accum, world=world,
-                      ep=job.parallel.ep, activation_checkpointing=job.parallel.activation_checkpointing,
-                      precision=precision, pp=job.parallel.pp, vpp=job.parallel.vpp,
-                      schedule=job.parallel.pp_schedule, pp_layout=job.parallel.pp_layout)
     try:
-        pred = predict(job.model, "H100", world, plan, _ignore_memory=True)
+        if plan is not None:
+            return predict(plan.model or job.model, plan.gpu or "H100", world, plan.plan, _ignore_memory=True)
+        return predict(job.model, "H100", world, job_plan(job, layout), _ignore_memory=True)
     except Exception as e:  # noqa: BLE001 - the report says why instead of failing the dry run
-        return {"error": str(e)}  # type: ignore[dict-item]
+        return str(e)
+
+
+def predicted_memory(job: JobConfig, world: int, device_type: str, pred: Any = None) -> dict[str, float] | None:
+    """The performance model's per-rank memory (GiB) for the plan this run executes (``pred`` if given, else the
+    job's own prediction); ``{"error": ...}`` if it cannot model it."""
+    if pred is None:
+        pcfg = job.parallel.resolve(world, job.model.n_routed_experts)
+        pred = predict_run(job, world, run_layout(job, pcfg, device_type))
+    if isinstance(pred, str):
+        return {"error": pred}  # type: ignore[dict-item]
     m = pred.memory
     return {"params": m.weights + m.fp8_weights, "grads": m.gradients, "optimizer": m.optimizer,
             "activations": m.activations}
+
+
+def rank_params(module: torch.nn.Module, ep: int) -> int:
+    """Parameters one rank of an EP group holds of ``module`` (unsharded by FSDP): the routed experts' 1/EP, the
+    rest whole -- the planner's per-stage count."""
+    n = 0
+    for mod in module.modules():
+        own = sum(math.prod(p.shape) for p in mod.parameters(recurse=False))
+        n += own // ep if isinstance(mod, GroupedExperts) else own
+    return n
+
+
+def stage_rows(job: JobConfig, pcfg: ParallelConfig, pred: Any) -> list[dict[str, Any]]:
+    """Per pipeline stage: the run's items (Megatron letters, "d" a dense layer) and parameters per rank (routed
+    experts split over EP, nothing FSDP-sharded) beside the planner's prediction for the same stage (None where it
+    has none)."""
+    from moetrain.model.transformer import build_model
+    from moetrain.parallel.pipeline import build_stages, stage_specs, stage_to_rank
+
+    cfg = job.model
+    plan_stages = pred.details.get("stages") if not isinstance(pred, str) else None
+    plan_params = pred.details.get("stage_params") if not isinstance(pred, str) else None
+    model = build_model(cfg, device="meta")
+    if pcfg.pp == 1:
+        items = "E" + "".join("d" if i < cfg.n_dense_layers else "t" for i in range(cfg.n_layers)) \
+            + "m" * cfg.mtp_depth + "L"
+        counts = [rank_params(model, pcfg.ep)]
+        specs_items = [items]
+    else:
+        specs = stage_specs(cfg, pcfg)
+        specs_items = [("E" if s.embed else "") + "".join("d" if i < cfg.n_dense_layers else "t" for i in s.layers)
+                       + "m" * len(s.mtp) + ("L" if s.head else "") for s in specs]
+        counts = [0] * len(specs)
+        for r in range(pcfg.pp):
+            for part in build_stages(model, pcfg, r):
+                counts[part.spec.index] = rank_params(part, pcfg.ep)
+    rows = []
+    for s, (items, n) in enumerate(zip(specs_items, counts)):
+        rows.append({"stage": s, "pp_rank": stage_to_rank(pcfg, s) if pcfg.pp > 1 else 0, "items": items,
+                     "params": n, "plan_items": plan_stages[s] if plan_stages and s < len(plan_stages) else None,
+                     "plan_params": plan_params[s] if plan_params and s < len(plan_params) else None})
+    return rows
+
+
+def format_stages(rows: list[dict[str, Any]], run_gib: float, pred: Any) -> str:
+    """The stage table of :func:`stage_rows`, then pipeline rank 0's state memory, run beside planner."""
+    lines = [f"{'stage':>5} {'pp rank':>7}  {'run items':<24} {'planned items':<24} {'run params':>15} "
+             f"{'planned params':>15}"]
+    for r in rows:
+        plan_n = f"{r['plan_params']:>15,.0f}" if r["plan_params"] is not None else f"{'-':>15}"
+        lines.append(f"{r['stage']:>5} {r['pp_rank']:>7}  {r['items']:<24} {r['plan_items'] or '-':<24} "
+                     f"{r['params']:>15,} {plan_n}")
+    if not isinstance(pred, str):
+        state = pred.details.get("state_per_device_gib")
+        if state:
+            lines.append(f"pipeline rank 0 state (params, grads, optimizer): run {run_gib:.3f} GiB (fp32 masters, "
+                         f"grads and AdamW moments), planner {state[0]:.3f} GiB")
+    return "\n".join(lines)
 
 
 def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: str) -> str:
@@ -105,8 +196,8 @@ def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: st
 
 
 def layout_label(pcfg: Any) -> str:
-    """E.g. "PP=2 (dualpipev, 4 stages) DP=1 EP=2", or "DP=2 EP=2" without pipelining."""
-    pipe = f"PP={pcfg.pp} ({pcfg.pp_schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else ""
+    """E.g. "PP=2 (dualpipev, 4 stages) DP=2 EP=2", or "DP=2 EP=2" without pipelining (DP counts the EP ranks)."""
+    pipe = f"PP={pcfg.pp} ({pcfg.schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else ""
     return f"{pipe}DP={pcfg.dp} EP={pcfg.ep}"
 
 
@@ -118,7 +209,8 @@ def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module)
     if ctx.distributed:
         rows = [None] * ctx.world_size
         dist.all_gather_object(rows, mine)
-    summary: dict[str, Any] = {"dry_run": True, "world": ctx.world_size, "ranks": [asdict(r) for r in rows]}
+    summary: dict[str, Any] = {"dry_run": True, "world": ctx.world_size, "ranks": [asdict(r) for r in rows],
+                               "layout": run_layout(job, ctx.pcfg, ctx.device.type).layout_dict()}
     if ctx.is_main:
         pred = predicted_memory(job, ctx.world_size, ctx.device.type)
         summary["predicted_gib"] = pred
@@ -130,8 +222,10 @@ def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module)
     return summary
 
 
-def dry_run_world(job: JobConfig, world: int) -> dict[str, Any]:
-    """Set up rank 0 of a ``world``-rank layout on the fake process group, entirely on meta, and print its memory.
+def dry_run_world(job: JobConfig, world: int, plan: Any = None) -> dict[str, Any]:
+    """Set up rank 0 of a ``world``-rank layout on the fake process group, entirely on meta, and print its memory,
+    every pipeline stage beside the planner's prediction (of ``plan``, a ``PlanFile``, when the job came from one),
+    and write ``dry_run.json`` with the run's layout.
 
     Raises:
         ConfigError: the layout does not fit ``world`` or the model.
@@ -155,12 +249,16 @@ def dry_run_world(job: JobConfig, world: int) -> dict[str, Any]:
         else:
             parallelize(model, ctx)
         row = rank_memory(model, ctx, measured=False)
-        pred = predicted_memory(job, world, "cuda" if job.train.device == "cuda" else "cpu")
+        layout = run_layout(job, ctx.pcfg, "cuda" if job.train.device == "cuda" else "cpu")
+        prediction = predict_run(job, world, layout, plan)
+        pred = predicted_memory(job, world, "", prediction)
         print(format_report([row], pred, f"[moetrain] dry run on meta: {job.preset} ({total:,} parameters) as rank "
                                          f"0 of {world} ({layout_label(ctx.pcfg)}); nothing allocated, no "
                                          f"process started"))
+        stages = stage_rows(job, ctx.pcfg, prediction)
+        print(format_stages(stages, row.state_bytes / GiB, prediction))
         summary = {"dry_run": True, "world": world, "ranks": [asdict(row)], "predicted_gib": pred,
-                   "total_params": total}
+                   "total_params": total, "layout": layout.layout_dict(), "stages": stages}
         out = Path(job.train.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "dry_run.json").write_text(json.dumps(summary, indent=2))

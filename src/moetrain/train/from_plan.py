@@ -1,131 +1,178 @@
-"""``moetrain train --plan FILE``: run what ``moetrain plan ... --json`` ranked.
+"""``moetrain train --plan FILE``: run exactly what ``moetrain plan ... --json`` ranked, or refuse it by name.
 
-The planner's :class:`~moetrain.plan.plan.Plan` and the trainer's job share their vocabulary; where a name
-differs, this table is the one place that says so:
+The planner's :class:`~moetrain.plan.plan.Plan` is a :class:`~moetrain.layout.Layout` plus what only a prediction
+needs, and the trainer's ``[parallel]`` section is the same Layout (:class:`~moetrain.parallel.config.ParallelConfig`):
+:func:`plan_job` carries the Layout over field for field, typed, never through ``--set`` strings. Every plan field is
+either run or refused, all refusals in one message, before anything starts:
 
 ==========================  ===========================================================================
 Plan field                  job setting
 ==========================  ===========================================================================
-pp, vpp, ep, pp_layout      parallel.pp, parallel.vpp, parallel.ep, parallel.pp_layout
-dp (EP carved out of it)    parallel.dp = dp / ep (the trainer's dp counts the ranks holding the same experts)
-schedule                    parallel.pp_schedule ("interleaved" = "interleaved-1f1b", "dualpipe" =
-                            "dualpipev"; the trainer's names are accepted by the planner too)
+the Layout fields           parallel.<the same name> (dp in Megatron's meaning on both sides; schedule,
+                            dispatcher and cuda_graphs as the plan resolved them); what the trainer cannot
+                            run is refused by name (:func:`moetrain.parallel.config.layout_not_runnable`)
+pp_layout unset             parallel.pp_layout = the stages the planner predicted (its cost-balanced split)
+mtp_depth                   model.mtp_depth (unset: the model's own)
 micro_batch                 train.micro_batch_size (sequences)
 global_batch                train.grad_accum = global_batch / (dp x micro_batch) (micro-batches per step)
 seq_len                     data.seq_len
-recompute "full" / "none"   parallel.activation_checkpointing true / false
-ep_overlap                  parallel.ep_overlap (PP = 1: micro-batch i+1's forward paired with i's backward;
-                            pipelined: the schedule's forward-backward pairs, not zbv)
 routing "real" / "balanced" model.routing "learned" / "balanced"
+node_limit_m                refused unless it is the model's group-limited routing (n_limited_groups)
+imbalance, framework        prediction-only: reported, not run (the run measures its own imbalance)
 model (a preset name)       model.preset
-pp x dp (x tp x cp)         the number of processes (train.nproc for a local launch)
+tp x cp x dp x pp           the number of processes (train.nproc for a local launch)
 ==========================  ===========================================================================
-
-What the trainer cannot run yet is refused, all of it in one message: tensor or context parallelism, FP8 GEMMs,
-FP8 attention, selective recompute, expert all-to-all overlap with full recompute or under zbv, optimizer states
-below fp32, FP8 primary weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moetrain.model.config import ConfigError
+from moetrain.errors import ConfigError
+from moetrain.layout import LAYOUT_FIELDS, Recompute, Routing, Schedule
+from moetrain.parallel.config import layout_not_runnable
+from moetrain.plan.plan import Plan
 
-SCHEDULE_NAMES = {"1f1b": "1f1b", "interleaved": "interleaved-1f1b", "interleaved-1f1b": "interleaved-1f1b",
-                  "dualpipe": "dualpipev", "dualpipev": "dualpipev", "dualpipe-v": "dualpipev", "zbv": "zbv"}
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A ``moetrain plan --json`` output: the plan, and what it was predicted for.
+
+    Attributes:
+        plan: the plan (its JSON values as enums).
+        model: the model it was predicted for (a preset name or a HF config path), None if the file does not say.
+        gpu: the GPU it was predicted on (None: not said).
+        stages: the pipeline stages the planner predicted, Megatron items per stage ("Eddt", "ttmL"), None if
+            the file has no prediction details.
+        given: the plan fields the file wrote (None: all of them); a field it leaves out takes the job's value
+            where the job has one (the sequence length), else the Plan default.
+    """
+
+    plan: Plan
+    model: str | None = None
+    gpu: str | None = None
+    stages: tuple[str, ...] | None = None
+    given: frozenset[str] | None = None
 
 
-def read_plan(path: str | Path) -> dict[str, Any]:
-    """The plan dict of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone).
+def read_plan(path: str | Path) -> PlanFile:
+    """The plan of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone); "-" reads
+    it from standard input (``moetrain plan ... --json | moetrain train --plan -``).
 
     Raises:
-        ConfigError: the file is missing or not such JSON.
+        ConfigError: the file is missing or not such JSON, or names a field a plan does not have.
     """
     p = Path(path)
-    if p.is_file() and not p.read_text(errors="replace").strip():
+    try:
+        text = sys.stdin.read() if str(path) == "-" else p.read_text(errors="replace")
+    except OSError as e:
+        raise ConfigError(f"--plan {path}: cannot read it ({e}); write one with `moetrain plan ... --json > "
+                          f"{p.name}`") from None
+    if not text.strip():
         raise ConfigError(f"--plan {path} is empty (did `moetrain plan` fail when it was written?)")
     try:
-        text = p.read_text()
         data = json.loads(text[text.index("{"):])
     except (OSError, ValueError) as e:
         raise ConfigError(f"--plan {path}: not a readable `moetrain plan --json` output ({type(e).__name__}: {e}); "
                           f"write one with `moetrain plan ... --json > {p.name}`") from None
-    plan = data.get("plan", data) if isinstance(data, dict) else None
-    if not isinstance(plan, dict) or "pp" not in plan:
+    raw = data.get("plan", data) if isinstance(data, dict) else None
+    if not isinstance(raw, dict) or "pp" not in raw:
         raise ConfigError(f"--plan {path}: no plan in it (expected the output of `moetrain plan ... --json`)")
-    if isinstance(data.get("model"), str):
-        plan = dict(plan, model=data["model"])
-    return plan
+    stages = (data.get("details") or {}).get("stages") if isinstance(data.get("details"), dict) else None
+    model = data.get("model") if isinstance(data.get("model"), str) else raw.get("model")
+    return PlanFile(plan_from_dict(raw), model, data.get("gpu"), tuple(stages) if stages else None, frozenset(raw))
 
 
-def plan_overrides(plan: dict[str, Any]) -> tuple[list[str], int]:
-    """The ``--set`` overrides that make the job run ``plan``, and its number of processes.
+def plan_from_dict(d: dict[str, Any]) -> Plan:
+    """A :class:`Plan` from its ``to_dict`` form (derived keys such as ``edp`` and ``n_microbatches`` ignored). A
+    partial plan (a hand-written file) takes one micro-batch per step and fp32 optimizer states where it is silent.
 
     Raises:
-        ConfigError: naming everything in the plan the trainer cannot run, and what would (the plan's own values
-            changed, e.g. with ``moetrain plan --framework moetrain``).
+        ConfigError: a key that is no plan field.
     """
-    missing = []
-    g = plan.get
-    if g("tp", 1) != 1:
-        missing.append(f"tensor parallelism (tp={g('tp')}; use --tp 1)")
-    if g("cp", 1) != 1:
-        missing.append(f"context parallelism (cp={g('cp')}; use --cp 1)")
-    if g("precision", "bf16") in ("fp8", "mxfp8"):
-        from moetrain.train.config import TrainConfig
-        if not hasattr(TrainConfig, "fp8"):
-            missing.append(f"FP8 GEMMs (precision={g('precision')}; use --precision bf16)")
-    if g("attn_precision", "bf16") != "bf16":
-        missing.append(f"FP8 attention (attn_precision={g('attn_precision')})")
-    if g("dispatch_precision", "bf16") != "bf16":
-        from moetrain.parallel.config import ParallelConfig
-        if not hasattr(ParallelConfig, "dispatch_dtype"):
-            missing.append(f"FP8 dispatch (dispatch_precision={g('dispatch_precision')})")
-    if g("recompute", "none") == "selective":
-        missing.append(f"selective recompute ({g('recompute_modules')}); the trainer recomputes whole blocks "
-                       f"(--recompute full) or nothing (--recompute none)")
-    if g("ep_overlap") and g("ep", 1) > 1 and g("recompute", "none") == "full":
+    names = {f.name for f in dataclasses.fields(Plan)}
+    derived = {"edp", "n_microbatches", "model"}
+    unknown = sorted(set(d) - names - derived)
+    if unknown:
+        raise ConfigError(f"the plan has field(s) {unknown} that moetrain's Plan does not know (fields: "
+                          f"{', '.join(sorted(names))}); write it with this version's `moetrain plan --json`")
+    kw = {k: v for k, v in d.items() if k in names}
+    # a partial plan: one micro-batch per step, and the optimizer states the trainer keeps
+    if "global_batch" not in kw and kw.get("dp"):
+        kw["global_batch"] = kw["dp"] * kw.get("micro_batch", 1)
+    kw.setdefault("optimizer", "fp32")
+    if isinstance(kw.get("recompute_modules"), list):
+        kw["recompute_modules"] = tuple(kw["recompute_modules"])
+    return Plan(**kw)
+
+
+def megatron_layout(stages: tuple[str, ...] | list[str]) -> str:
+    """The planner's stage items ("Eddt", "ttmL": d = dense layer, t = MoE layer) as a Megatron pipeline layout
+    ("Ettt|ttmL": every layer is a ``t`` there)."""
+    return "|".join(s.replace("d", "t") for s in stages)
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """What a plan becomes: the job sections it sets (typed values), its process count, and what of it is only a
+    prediction's input (reported, not run)."""
+
+    sections: dict[str, dict[str, Any]]
+    world: int
+    prediction_only: tuple[str, ...]
+
+
+def plan_job(pf: PlanFile) -> PlanJob:
+    """The job sections that run ``pf.plan`` exactly, and its number of processes.
+
+    Raises:
+        ConfigError: naming every plan field the trainer cannot run (all of them, in one message) and what would
+            run; or a plan without DP / with a global batch that does not split into micro-batches.
+    """
+    plan = pf.plan
+    layout = plan.layout()  # schedule, dispatcher and CUDA graphs as the plan resolved (and costed) them
+    missing = [f"{what} ({why})" for what, why in layout_not_runnable(layout.replace(mtp_depth=None))]
+    if plan.ep_overlap and plan.ep > 1 and plan.recompute == Recompute.FULL:
         missing.append("expert all-to-all overlap with full recompute (the trainer's paired schedule runs without "
                        "recomputation; use --recompute none or --no-ep-overlap)")
-    if g("ep_overlap") and g("ep", 1) > 1 and g("pp", 1) > 1 and g("schedule") == "zbv":
+    if plan.ep_overlap and plan.ep > 1 and plan.pp > 1 and layout.schedule == Schedule.ZBV:
         missing.append("expert all-to-all overlap under the zbv schedule (it splits every backward, so nothing "
                        "pairs; use --schedule dualpipev or --no-ep-overlap)")
-    if g("optimizer", "fp32") != "fp32":
-        missing.append(f"{g('optimizer')} optimizer states (the trainer keeps fp32; use --optimizer fp32)")
-    if g("fp8_param"):
-        missing.append("FP8 primary weights (fp8_param)")
-    schedule = g("schedule") or ("interleaved" if g("vpp", 1) > 1 else "1f1b")
-    if schedule not in SCHEDULE_NAMES:
-        missing.append(f"the {schedule!r} pipeline schedule (the trainer runs {sorted(set(SCHEDULE_NAMES.values()))})")
+    if plan.node_limit_m is not None:
+        missing.append(f"node-limited routing (node_limit_m={plan.node_limit_m}: the trainer's routing limits a "
+                       f"token to model.n_limited_groups expert groups, not to M nodes; drop --node-limit)")
     if missing:
         raise ConfigError("moetrain train cannot run this plan yet: " + "; ".join(missing))
-    dp, mbs, pp, ep = g("dp"), g("micro_batch", 1), g("pp", 1), g("ep", 1)
-    if not dp:
+    if not plan.dp:
         raise ConfigError("the plan has no data-parallel size (dp); give `moetrain plan` the GPU count (--gpus)")
-    if dp % ep:
-        raise ConfigError(f"the plan's ep={ep} does not divide its dp={dp} (EP is carved out of the data-parallel "
-                          f"ranks)")
-    gbs = g("global_batch", dp * mbs)
-    if gbs % (dp * mbs):
-        raise ConfigError(f"the plan's global_batch={gbs} is not a multiple of dp x micro_batch = {dp * mbs}")
-    sets = [f"parallel.pp={pp}", f"parallel.vpp={g('vpp', 1)}", f"parallel.ep={ep}", f"parallel.dp={dp // ep}",
-            f"parallel.pp_schedule={json.dumps(SCHEDULE_NAMES[schedule])}",
-            f"train.micro_batch_size={mbs}", f"train.grad_accum={gbs // (dp * mbs)}",
-            f"parallel.activation_checkpointing={'true' if g('recompute') == 'full' else 'false'}",
-            f"model.routing={json.dumps('balanced' if g('routing') == 'balanced' else 'learned')}"]
-    if g("seq_len"):
-        sets.append(f"data.seq_len={g('seq_len')}")
-    if g("ep_overlap") and ep > 1:
-        sets.append("parallel.ep_overlap=true")
-    if g("pp_layout"):
-        sets.append(f"parallel.pp_layout={json.dumps(g('pp_layout'))}")
-    if g("precision") in ("fp8", "mxfp8"):
-        sets.append(f"train.fp8={json.dumps('blockwise' if g('precision') == 'fp8' else 'mxfp8')}")
-    if g("dispatch_precision", "bf16") == "fp8":
-        sets.append('parallel.dispatch_dtype="fp8"')
-    if isinstance(g("model"), str) and "/" not in g("model") and not g("model").endswith(".json"):
-        sets.insert(0, f"model.preset={json.dumps(g('model'))}")
-    return sets, pp * dp
+    if plan.dp % plan.ep:
+        raise ConfigError(f"the plan's ep={plan.ep} does not divide its dp={plan.dp} (EP is carved out of the "
+                          f"data-parallel ranks)")
+    mbs = plan.micro_batch
+    if plan.global_batch % (plan.dp * mbs):
+        raise ConfigError(f"the plan's global_batch={plan.global_batch} is not a multiple of dp x micro_batch = "
+                          f"{plan.dp * mbs}")
+    parallel = {f: getattr(layout, f) for f in LAYOUT_FIELDS if f != "mtp_depth"}
+    if plan.pp > 1 and plan.pp_layout is None and pf.stages:
+        parallel["pp_layout"] = megatron_layout(pf.stages)  # the split the planner costed
+    sections: dict[str, dict[str, Any]] = {
+        "parallel": parallel,
+        "train": {"micro_batch_size": mbs, "grad_accum": plan.global_batch // (plan.dp * mbs)},
+        "data": {"seq_len": plan.seq_len} if pf.given is None or "seq_len" in pf.given else {},
+        "model": {"routing": "balanced" if plan.routing == Routing.BALANCED else "learned"},
+    }
+    if plan.mtp_depth is not None:
+        sections["model"]["mtp_depth"] = plan.mtp_depth
+    if pf.model and "/" not in pf.model and not pf.model.endswith(".json"):
+        sections["model"]["preset"] = pf.model
+    reported = [f"framework={plan.framework!r} (the recipe whose defaults the prediction used)",
+                f"routing={plan.routing!r} (run as model.routing="
+                f"{sections['model']['routing']!r})"]
+    reported.append(f"imbalance={plan.imbalance:.3g} (the prediction's; the run measures its own)"
+                    if plan.imbalance is not None else "imbalance unset (the run measures its own)")
+    return PlanJob(sections, plan.world, tuple(reported))

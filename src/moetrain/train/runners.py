@@ -91,17 +91,23 @@ def _eval_whole(stage: TransformerStage, batches: MicroBatches, device: torch.de
 
 class SequentialRunner:
     """PP = 1: the micro-batches one after the other through the one stage. Under FSDP2 the gradients are reduced
-    in the last micro-batch's backward only (the others accumulate locally)."""
+    in the last micro-batch's backward only (the others accumulate locally); with ``parallel.fsdp`` false the
+    parameters, gathered at the first forward, stay gathered until the last backward (Megatron's distributed
+    optimizer: one all-gather and one reduce-scatter per step)."""
 
     def __init__(self, stage: TransformerStage, objective: Objective, ctx: ParallelContext):
         self.stage, self.objective, self.ctx = stage, objective, ctx
         self.fsdp = isinstance(stage, FSDPModule)
+        self.keep_gathered = self.fsdp and ctx.pcfg.keeps_params_gathered
 
     def forward_backward(self, micro_batches: MicroBatches, amp: AbstractContextManager,
                          events: list | None) -> None:
         for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             if self.fsdp:
-                self.stage.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                self.stage.set_requires_gradient_sync(last)
+            if self.keep_gathered:
+                self.stage.set_reshard_after_backward(last)
             with named_phase("forward (FSDP parameter all-gather or expert dispatch)", self.ctx.distributed), amp:
                 loss = self.objective(self.stage(tokens_BL=x, labels_BL=y))
             with named_phase("backward / gradient sync", self.ctx.distributed):
@@ -195,7 +201,7 @@ class PipelinedRunner:
             x, y = batches[-1]
             batches.append((torch.zeros_like(x), torch.full_like(y, IGNORE_INDEX)))
         obj = self.objective
-        v = self.ctx.pcfg.pp_schedule in V_SCHEDULES
+        v = self.ctx.pcfg.schedule.is_v
         for g in range(0, len(batches), n):
             x = torch.cat([b[0] for b in batches[g:g + n]])
             y = torch.cat([b[1] for b in batches[g:g + n]])

@@ -27,6 +27,7 @@ from moetrain.parallel.mesh import ParallelContext, check_same_config, init_para
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
 from moetrain.parallel.schedules import bubble_formula
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
+from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
 from moetrain.train.callbacks import (Callback, Checkpointing, Evaluation, FiniteLoss, LoopState, Profiler,
                                       StepMetricsLogger, StopOnSignal)
 from moetrain.train.callbacks import NonFiniteLossError  # noqa: F401 - what a run raises, importable from here
@@ -46,7 +47,7 @@ def resolve_device(job: JobConfig) -> str:
 
 
 def autocast_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
-    if job.train.dtype == "bf16" or (job.train.dtype == "auto" and device.type == "cuda"):
+    if job.parallel.autocast_bf16(device.type):
         return torch.bfloat16
     return None
 
@@ -131,8 +132,9 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
 
 
 def _apply_precision(model: Transformer, job: JobConfig) -> None:
-    """FP8 GEMMs (``train.fp8``) swapped in on the single-device (meta) model, before it is parallelized."""
-    recipe = getattr(job.train, "fp8", "none")
+    """FP8 GEMMs (``parallel.precision`` fp8 / mxfp8) swapped in on the single-device (meta) model, before it is
+    parallelized."""
+    recipe = PLAN_PRECISION_TO_FP8.get(job.parallel.precision, "none")  # "auto": no FP8
     if recipe != "none":
         from moetrain.precision.apply import apply_fp8
         apply_fp8(model, recipe)
@@ -224,15 +226,16 @@ def _announce(job: JobConfig, ctx: ParallelContext, model: ModelParts, sink: Met
     """The run's first console line and its "run" record."""
     pcfg = ctx.pcfg
     fpt = flops_per_token(job.model, job.data.seq_len)
-    pipe = (f"PP={pcfg.pp} ({pcfg.pp_schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
+    dispatcher = pcfg.run_dispatcher if pcfg.moves_tokens else "local"
+    pipe = (f"PP={pcfg.pp} ({pcfg.schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
     sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | {pipe}DP={pcfg.dp} EP={pcfg.ep} "
-               f"dispatcher={pcfg.dispatcher_kind} | model {job.preset}: "
+               f"dispatcher={dispatcher} | model {job.preset}: "
                f"{local_numel(model):,} params on rank 0 | {_tokens_per_step(job, ctx):,} tokens/step "
                f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak[0]:.3f} TFLOP/s "
                f"({peak[1]})")
     sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": pcfg.dp, "ep": pcfg.ep,
-                "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.pp_schedule,
-                "dispatcher": pcfg.dispatcher_kind, "preset": job.preset, "flops_per_token_megatron": fpt.megatron,
+                "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.schedule,
+                "dispatcher": dispatcher, "preset": job.preset, "flops_per_token_megatron": fpt.megatron,
                 "flops_per_token_6n": fpt.six_n, "peak_tflops": peak[0], "peak_label": peak[1],
                 "config": job.to_dict()})
 

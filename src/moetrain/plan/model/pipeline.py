@@ -67,8 +67,7 @@ def unpaired_fraction(plan: Plan) -> float:
     sched = plan.resolved_schedule
     if plan.framework == "moetrain" and sched in ("1f1b", "interleaved", "dualpipev"):
         from moetrain.parallel.schedules import paired_fraction
-        name = {"interleaved": "interleaved-1f1b"}.get(sched, sched)
-        return 1.0 - min(paired_fraction(name, pp, 2 if sched == "dualpipev" else vpp, m))
+        return 1.0 - min(paired_fraction(sched, pp, 2 if sched == "dualpipev" else vpp, m))
     if sched == "dualpipe":
         return min(1.0, (pp / 2) / m)
     if sched == "dualpipev":
