@@ -82,14 +82,22 @@ def test_fp8_training_follows_bf16():
         assert abs(gap) < 0.01, (recipe, got[-8:], ref[-8:])
 
 
-def test_planner_precisions_map_one_to_one_onto_the_config_fields():
+def test_each_layout_precision_runs_its_fp8_recipe_in_the_trainer():
+    # The production path: the trainer's _apply_precision reads parallel.precision through the one map and swaps in
+    # that recipe's GEMMs (or none), for every precision the planner names.
+    from moetrain.config import JobConfig
     from moetrain.parallel.dispatch import DISPATCH_DTYPES
     from moetrain.plan.plan import DISPATCH_PRECISIONS, PRECISIONS
-    from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
+    from moetrain.train.trainer import _apply_precision
 
-    assert set(PLAN_PRECISION_TO_FP8) == set(PRECISIONS)
-    for p, fp8 in PLAN_PRECISION_TO_FP8.items():  # the trainer's FP8 recipe is read from this map
-        assert ParallelConfig(precision=p).precision == p  # type: ignore[arg-type]
+    expected = {"bf16": None, "fp32": None, "fp8": "blockwise", "mxfp8": "mxfp8"}
+    assert set(PRECISIONS) == set(expected)
+    for p, recipe in expected.items():
+        model = build_model(_tiny(), device="meta")
+        _apply_precision(model, JobConfig(parallel=ParallelConfig(precision=p)))  # type: ignore[arg-type]
+        got = {m.fp8_recipe.name for m in model.modules() if isinstance(m, (Fp8Linear, GroupedExperts))
+               and m.fp8_recipe is not None}
+        assert got == ({recipe} if recipe else set()), p
     assert set(DISPATCH_PRECISIONS) == set(DISPATCH_DTYPES)
     for d in DISPATCH_PRECISIONS:
         assert ParallelConfig(dispatch_precision=d).dispatch_precision == d  # type: ignore[arg-type]
