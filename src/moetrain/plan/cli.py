@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from moetrain.config import JobConfig, build_job_config
+from moetrain.model.config import ModelConfig
 from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file, with_overrides
 from moetrain.plan.model import predict
 from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISIONS, DISPATCHERS, FRAMEWORKS,
@@ -218,15 +219,16 @@ def _builtin_job_plan(shape: Any, n: int, args: argparse.Namespace | None = None
     job = build_job_config({"parallel": parallel})
     cfg = shape.config
     layout = job.parallel.pp_layout
-    if pp > 1 and layout is None and hasattr(cfg, "routing"):
+    own_model = isinstance(cfg, ModelConfig)  # a moetrain model (not a GQA accounting shape)
+    if pp > 1 and layout is None and own_model:
         from moetrain.parallel.pipeline import default_layout
         layout = default_layout(cfg, job.parallel.n_stages)  # the trainer's split where the planner has none
     stage = n // pp
     ep = job.parallel.ep if stage % job.parallel.ep == 0 and shape.n_experts % job.parallel.ep == 0 else 1
-    plan = local_plan(cfg if hasattr(cfg, "routing") else job.model, job.data.seq_len, job.train.micro_batch_size,
+    plan = local_plan(cfg if own_model else job.model, job.data.seq_len, job.train.micro_batch_size,
                       job.train.grad_accum, world=n, ep=ep, pp=pp, vpp=job.parallel.vpp,
                       schedule=job.parallel.schedule, pp_layout=layout)
-    return plan if hasattr(cfg, "routing") else plan.replace(routing="real")
+    return plan if own_model else plan.replace(routing="real")
 
 
 def _said_chart(args: argparse.Namespace) -> None:
