@@ -72,8 +72,12 @@ def test_layout_has_one_meaning_of_dp_and_plan_builds_on_it():
     ({"train": {"fp8": "mxfp8", "dtype": "auto"}}, {"train": {}, "parallel": {"precision": "mxfp8"}}),
     ({"train": {"fp8": "none", "dtype": "bf16"}}, {"train": {}, "parallel": {"precision": "bf16"}}),
     ({"train": {"dtype": "fp32"}}, {"train": {}, "parallel": {"precision": "fp32"}}),
-    # a parallel section written with the older keys counted dp per expert replica
-    ({"parallel": {"pp_schedule": "1f1b", "dp": 2, "ep": 4}}, {"parallel": {"schedule": "1f1b", "dp": 8, "ep": 4}}),
+    # a [parallel] section the older trainer saved (all its keys) counted dp per expert replica; a hand-written
+    # dp beside one older key is read as written (never guessed at: ParallelConfig.resolve names the new meaning)
+    ({"parallel": {"pp_schedule": "1f1b", "dedup": True, "dispatch_dtype": "bf16", "activation_checkpointing": False,
+                   "dp": 2, "ep": 4}},
+     {"parallel": {"schedule": "1f1b", "dispatch_precision": "bf16", "recompute": "none", "dp": 8, "ep": 4}}),
+    ({"parallel": {"pp_schedule": "1f1b", "dp": 2, "ep": 4}}, {"parallel": {"schedule": "1f1b", "dp": 2, "ep": 4}}),
     ({"parallel": {"dp": 2, "ep": 4}}, {"parallel": {"dp": 2, "ep": 4}}),  # today's names: today's meaning
 ])
 def test_older_trainer_keys_are_translated_once(old, new):
@@ -95,6 +99,33 @@ def test_older_keys_load_into_the_same_job_and_clash_with_their_new_names():
         build_job_config({"parallel": {"activation_checkpointing": "yes"}})
     with pytest.raises(ConfigError, match="dispatcher='local'.*leave parallel.dispatcher unset"):
         ParallelConfig(dispatcher="local")
+
+
+def test_older_keys_that_cannot_mean_one_thing_are_refused():
+    with pytest.raises(ConfigError, match="older name of parallel.dispatcher"):
+        translate_aliases({"parallel": {"dispatcher": "flex", "dedup": False}})
+    with pytest.raises(ConfigError, match="set only parallel.precision"):
+        translate_aliases({"train": {"fp8": "blockwise", "dtype": "bf16"}})
+    # a dp that fits only the older per-replica meaning is refused naming the new one
+    with pytest.raises(ConfigError, match="now written parallel.dp=2"):
+        load_job_config(None, ["parallel.dp=1", "parallel.ep=2"], world=2).parallel.resolve(2, 8)
+
+
+def test_older_dedup_cannot_silently_lose_to_a_config_files_dispatcher(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('[parallel]\ndispatcher = "alltoall"\n')
+    with pytest.raises(ConfigError, match="cannot override the parallel.dispatcher of the config file"):
+        load_job_config(f, ["parallel.dedup=true"])
+
+
+def test_a_plan_cannot_be_changed_by_set():
+    with pytest.raises(ConfigError, match="--plan fixes the layout.*parallel.ep"):
+        load_job_config(None, ["parallel.ep=4"], plan={"parallel": {"ep": 8, "pp": 2}})
+    with pytest.raises(ConfigError, match="would change parallel.dedup"):  # older names too
+        load_job_config(None, ["parallel.dedup=true"], plan={"parallel": {"ep": 2}})
+    # run-time knobs that are not part of the layout stay settable
+    job = load_job_config(None, ["parallel.timeout_s=60"], plan={"parallel": {"ep": 1}})
+    assert job.parallel.timeout_s == 60
 
 
 def test_a_saved_older_job_reads_back(tmp_path):

@@ -50,7 +50,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
-from moetrain.layout import Schedule, translate_aliases
+from moetrain.layout import LAYOUT_FIELDS, TRAINER_KEY_ALIASES, Schedule, translate_aliases
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
 from moetrain.parallel.config import ParallelConfig
 from moetrain.train.config import TrainConfig
@@ -336,7 +336,19 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     older key names are translated on its own, so a newer name in one and an older in the next override each other."""
     sections = translate_aliases(read_config_file(path)) if path else {}
     sections = _merge(sections, plan or {})
-    return build_job_config(_merge(sections, translate_aliases(parse_overrides(overrides or []))), world)
+    given = parse_overrides(overrides or [])
+    if plan:
+        layout_keys = {("parallel", k) for k in LAYOUT_FIELDS} | set(TRAINER_KEY_ALIASES)
+        fixed = sorted(f"{s}.{k}" for s, sec in given.items() for k in sec if (s, k) in layout_keys)
+        if fixed:
+            raise ConfigError(f"--plan fixes the layout, and --set / --ep / --pp would change "
+                              f"{', '.join(fixed)}: the run would not be the plan; change the "
+                              f"plan (moetrain plan ... --json) or drop --plan")
+    if "dedup" in given.get("parallel", {}) and "dispatcher" in sections.get("parallel", {}):
+        # dedup = true reads as "the default dispatcher", which cannot undo a dispatcher the file set
+        raise ConfigError("parallel.dedup (the older name of parallel.dispatcher) cannot override the "
+                          "parallel.dispatcher of the config file; set --set parallel.dispatcher=flex or alltoall")
+    return build_job_config(_merge(sections, translate_aliases(given)), world)
 
 
 def save_job_config(job: JobConfig, path: str | Path) -> Path:

@@ -198,6 +198,9 @@ TRAINER_KEY_ALIASES: dict[tuple[str, str], tuple[str, str, dict[Any, Any] | None
 
 #: Older values of a trainer key that meant "the default" (the trainer picks the local permutation at EP = 1 by
 #: itself): dropped when read. (The older "local" is refused by name: at EP = 1 every dispatcher is local.)
+#: The keys every [parallel] section saved by the trainer of the older vocabulary holds (its config.toml).
+SAVED_OLDER_PARALLEL_KEYS = frozenset({"pp_schedule", "dedup", "dispatch_dtype", "activation_checkpointing"})
+
 TRAINER_DEFAULT_VALUES: dict[tuple[str, str], tuple[Any, ...]] = {("parallel", "dispatcher"): ("auto",)}
 
 
@@ -206,21 +209,26 @@ def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str
     once, when a job is read: ``parallel.pp_schedule`` -> ``parallel.schedule``, ``dispatch_dtype`` ->
     ``dispatch_precision``, ``activation_checkpointing`` -> ``recompute``, ``dedup`` -> ``dispatcher`` (flex /
     alltoall; the older dispatcher value "auto" means unset, "local" is left for the config to refuse by name),
-    ``train.fp8`` and ``train.dtype`` -> ``parallel.precision``. A parallel section written with older keys counted ``parallel.dp`` per expert replica
-    (ranks holding the same experts): it is multiplied by ``ep`` into today's DP, EP included.
+    ``train.fp8`` and ``train.dtype`` -> ``parallel.precision``. A [parallel] section saved by the older trainer
+    (all of :data:`SAVED_OLDER_PARALLEL_KEYS` present) counted ``parallel.dp`` per expert replica (ranks holding the
+    same experts): it is multiplied by ``ep`` into today's DP, EP included; elsewhere ``dp`` is read as written.
 
     Raises:
         ConfigError: an older key beside its new one, or an older value that has no translation.
     """
     out = {k: dict(v) for k, v in sections.items()}
-    old_style = any((s, k) in TRAINER_KEY_ALIASES for s, sec in sections.items() for k in sec
-                    if s == "parallel")
-    if old_style and out.get("parallel", {}).get("dp"):
-        par = out["parallel"]
-        par["dp"] = par["dp"] * par.get("ep", 1)
-    fp8 = out.get("train", {}).get("fp8")
     par = out.get("parallel", {})
-    if "dedup" in par:  # with the older dispatcher value beside it: auto / alltoall were both the all-to-all
+    # A [parallel] section that a trainer of the older vocabulary saved (config.toml of a run) holds every one of
+    # its keys; only there is ``dp`` known to be the older per-replica count. A hand-written ``dp`` is never
+    # guessed at: a count that fits only the older meaning is refused naming the new one (ParallelConfig.resolve).
+    if SAVED_OLDER_PARALLEL_KEYS <= set(par) and par.get("dp"):
+        par["dp"] = par["dp"] * par.get("ep", 1)
+    fp8, dtype = out.get("train", {}).get("fp8"), out.get("train", {}).get("dtype")
+    if fp8 not in (None, "none") and dtype not in (None, "auto"):
+        raise ConfigError(f"train.fp8={fp8!r} with train.dtype={dtype!r}: both are older names of parallel.precision, "
+                          f"whose fp8 / mxfp8 run the rest of the step in bf16 on a GPU and fp32 on a CPU; set only "
+                          f"parallel.precision")
+    if "dedup" in par:
         dedup, values = par.pop("dedup"), TRAINER_KEY_ALIASES[("parallel", "dedup")][2]
         if not isinstance(dedup, bool):
             raise ConfigError(f"parallel.dedup={dedup!r} (the older spelling of parallel.dispatcher flex / alltoall) "
@@ -228,14 +236,17 @@ def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str
         old = par.get("dispatcher", "auto")
         if old == "auto" and dedup:
             par.pop("dispatcher", None)  # the default: flex, the local permutation at EP 1
-        elif old in ("auto", "alltoall"):
+        elif old in ("auto", "alltoall"):  # the older dispatcher values beside dedup: both were the all-to-all
             par["dispatcher"] = values[dedup]
+        elif old != "local":
+            raise ConfigError(f"parallel.dedup is the older name of parallel.dispatcher (true = flex, false = "
+                              f"alltoall); set only parallel.dispatcher")
     for (section, key), (new_section, new_key, values) in TRAINER_KEY_ALIASES.items():
         if key not in out.get(section, {}):
             continue
         value = out[section].pop(key)
         if (section, key) == ("train", "dtype") and fp8 not in (None, "none"):
-            continue  # FP8 GEMMs set the precision; the rest of the step runs as under "auto"
+            continue  # "auto" beside FP8 GEMMs (checked above): the precision is the FP8 one
         if values is not None:
             if value not in values or isinstance(value, bool) != any(isinstance(v, bool) for v in values):
                 allowed = ", ".join(json.dumps(v) for v in values)

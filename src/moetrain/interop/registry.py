@@ -10,7 +10,8 @@ from typing import Any
 
 from moetrain.interop.adapter import StateDictAdapter
 from moetrain.interop.deepseek import DeepSeekAdapter
-from moetrain.model.config import ConfigError, ModelConfig
+from moetrain.errors import ConfigError
+from moetrain.model.config import ModelConfig
 
 #: The adapters, tried in order; the first is also the reader of a config.json that names neither its
 #: ``model_type`` nor its ``architectures`` (early DeepSeek exports, and config dicts assembled by hand).

@@ -32,9 +32,11 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
     if layout.cp != 1:
         out.append(("context parallelism", f"cp={layout.cp}; use cp 1"))
     if layout.schedule is not None and layout.schedule not in PP_SCHEDULES:
+        why = (": the bidirectional DualPipe keeps two copies of the parameters" if layout.schedule == Schedule.DUALPIPE
+               else " is no schedule moetrain knows")
         out.append((f"the {layout.schedule} pipeline schedule",
-                    f"schedule={layout.schedule!r}: the bidirectional DualPipe keeps two copies of the parameters; "
-                    f"the trainer runs {', '.join(map(str, PP_SCHEDULES))}, dualpipev being DualPipe's one-copy V"))
+                    f"schedule={layout.schedule!r}{why}; the trainer runs {', '.join(map(str, PP_SCHEDULES))}, "
+                    f"dualpipev being DualPipe's one-copy V"))
     if layout.dispatcher is not None and layout.dispatcher not in DISPATCHERS:
         out.append((f"the {layout.dispatcher} dispatcher",
                     f"dispatcher={layout.dispatcher!r}; the trainer has {', '.join(map(str, DISPATCHERS))}"))
@@ -235,6 +237,13 @@ class ParallelConfig(Layout):
         return self.dispatcher or Dispatcher.FLEX
 
     @property
+    def dispatch_rows(self) -> Dispatcher:
+        """What the dispatcher sends, in the layout's terms: :attr:`run_dispatcher`, except that capacity mode
+        (``capacity_factor`` set) drops and pads single assignments, so it always sends one row per (token, expert)
+        pair (alltoall)."""
+        return self.run_dispatcher if self.capacity_factor is None else Dispatcher.ALLTOALL
+
+    @property
     def moves_tokens(self) -> bool:
         """Whether the all-to-all dispatcher runs: EP > 1, or a dispatcher named at EP = 1 (over the one rank)."""
         return self.ep > 1 or self.dispatcher is not None
@@ -277,6 +286,9 @@ class ParallelConfig(Layout):
                               f"{self.pp * self.ep} processes or change ep")
         dp = self.dp or stage
         if self.pp * dp != world_size:
+            hint = (f"; before parallel.dp took Megatron's meaning it counted the expert replicas, and a dp of "
+                    f"{dp} with ep={self.ep} is now written parallel.dp={dp * self.ep}"
+                    if self.pp * dp * self.ep == world_size else "")
             raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} = {self.pp * dp} != world size {world_size} "
-                              f"(dp counts every rank of a stage, the expert-parallel ones included)")
+                              f"(dp counts every rank of a stage, the expert-parallel ones included{hint})")
         return dataclasses.replace(self, dp=dp, fsdp=not self.keeps_params_gathered)

@@ -26,7 +26,6 @@ from moetrain.model.moe import MoE
 from moetrain.model.stage import TransformerStage
 from moetrain.model.transformer import IGNORE_INDEX, loss_mask
 from moetrain.parallel.comm import named_phase
-from moetrain.parallel.config import V_SCHEDULES
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.overlap import defer_fsdp_reduction, finish_fsdp_reduction, run_paired
 from moetrain.parallel.pipeline import build_schedule, is_duplicate

@@ -226,10 +226,10 @@ def _announce(job: JobConfig, ctx: ParallelContext, model: ModelParts, sink: Met
     """The run's first console line and its "run" record."""
     pcfg = ctx.pcfg
     fpt = flops_per_token(job.model, job.data.seq_len)
-    dispatcher = pcfg.run_dispatcher if pcfg.moves_tokens else "local"
+    dispatcher = pcfg.dispatch_rows if pcfg.moves_tokens else "local"  # at EP 1 a permutation, no all-to-all
     pipe = (f"PP={pcfg.pp} ({pcfg.schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
     sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | {pipe}DP={pcfg.dp} EP={pcfg.ep} "
-               f"dispatcher={dispatcher} | model {job.preset}: "
+               f"dispatcher={dispatcher} | precision {pcfg.run_precision(ctx.device.type)} | model {job.preset}: "
                f"{local_numel(model):,} params on rank 0 | {_tokens_per_step(job, ctx):,} tokens/step "
                f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak[0]:.3f} TFLOP/s "
                f"({peak[1]})")

@@ -257,6 +257,10 @@ def _details(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stages: lis
     sched = plan.resolved_schedule
     return {
         "stages": ["".join(st) for st in stages],
+        # per stage, the parameters it holds, and per device the bytes of its weights, gradients and optimizer
+        # states (what the trainer's dry run compares with the stages it builds)
+        "stage_params": [sum(costs[k].params_dense + costs[k].params_expert for k in st) for st in stages],
+        "state_per_device_gib": [mb.weights + mb.fp8_weights + mb.gradients + mb.optimizer for mb in mems],
         "device_time_per_microbatch_s": dev_time,
         "slowest_device": slow,
         "microbatches": m,
