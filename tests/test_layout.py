@@ -249,7 +249,12 @@ def test_plan_files_round_trip(tmp_path):
     f.write_text(json.dumps({"model": "tiny", "gpu": "h100", "plan": plan.to_dict(),
                              "details": {"stages": ["Ed", "tt", "tt", "tmL"]}}))
     pf = read_plan(f)
-    assert pf.plan == plan.replace(cuda_graphs="none") and pf.model  # the file holds the resolved defaults == "tiny" and pf.gpu == "h100" and pf.stages == ("Ed", "tt", "tt", "tmL")
+    assert pf.plan == plan.replace(cuda_graphs="none")  # the file holds the resolved defaults
+    assert pf.model == "tiny" and pf.gpu == "h100" and pf.stages == ("Ed", "tt", "tt", "tmL")
+    # a `moetrain plan --search --json` output: its best plan
+    f.write_text(json.dumps({"best": {"model": "tiny", "gpu": "h100", "plan": plan.to_dict(),
+                                      "details": {"stages": ["Ed", "tt", "tt", "tmL"]}}, "top": []}))
+    assert read_plan(f).plan == pf.plan
     with pytest.raises(ConfigError, match="does not know"):
         plan_from_dict({**plan.to_dict(), "warp_drive": 1})
 

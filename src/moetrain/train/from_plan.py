@@ -61,8 +61,9 @@ class PlanFile:
 
 
 def read_plan(path: str | Path) -> PlanFile:
-    """The plan of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone); "-" reads
-    it from standard input (``moetrain plan ... --json | moetrain train --plan -``).
+    """The plan of a ``moetrain plan --json`` output file (the whole output, or its "plan" object alone; of a
+    ``--search`` output, its best plan); "-" reads it from standard input (``moetrain plan ... --json | moetrain
+    train --plan -``).
 
     Raises:
         ConfigError: the file is missing or not such JSON, or names a field a plan does not have.
@@ -80,6 +81,8 @@ def read_plan(path: str | Path) -> PlanFile:
     except (OSError, ValueError) as e:
         raise ConfigError(f"--plan {path}: not a readable `moetrain plan --json` output ({type(e).__name__}: {e}); "
                           f"write one with `moetrain plan ... --json > {p.name}`") from None
+    if isinstance(data, dict) and isinstance(data.get("best"), dict) and "plan" not in data:
+        data = data["best"]  # `moetrain plan --search --json`: the best plan it found, as one prediction
     raw = data.get("plan", data) if isinstance(data, dict) else None
     if not isinstance(raw, dict) or "pp" not in raw:
         raise ConfigError(f"--plan {path}: no plan in it (expected the output of `moetrain plan ... --json`)")
