@@ -72,7 +72,7 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True)
 class ParallelConfig(Layout):
-    """How the world is split and what the step runs in: the trainer's layout (a ``moetrain.layout.Layout``).
+    """How the world is split and what the step runs in: the trainer's layout (moetrain.layout.Layout).
 
     World = PP x DP (TP = CP = 1). A pipeline stage is DP ranks, every one of which sees different data (the ranks of
     one pipeline, one per stage, see the same); EP is carved out of them, as in Megatron-Core and TorchTitan: EP
@@ -83,7 +83,8 @@ class ParallelConfig(Layout):
     Older key names are translated once when a job is read (:data:`moetrain.layout.TRAINER_KEY_ALIASES`).
 
     Attributes:
-        tp, cp: tensor and context parallel sizes; the trainer runs 1 only.
+        tp: tensor-parallel size (Megatron TP with sequence parallelism); the trainer runs 1 only.
+        cp: context-parallel size (sequence split over ranks); the trainer runs 1 only.
         pp: pipeline stages (ranks per pipeline).
         vpp: model chunks per pipeline rank for the interleaved schedule (> 1 needs it); the V schedules hold 2 by
             themselves (1 here; 2 is accepted and means the same).
