@@ -355,6 +355,11 @@ class Layout:
             out[f.name] = list(v) if isinstance(v, tuple) else v.value if isinstance(v, Name) else v
         return out
 
+    def layout_fields(self) -> dict[str, Any]:
+        """The :class:`Layout` fields alone, as they are (of a ``Plan`` or a ``ParallelConfig`` too), to build
+        another record of the same layout from."""
+        return {f: getattr(self, f) for f in LAYOUT_FIELDS}
+
     def replace(self, **changes: Any) -> Any:
         """A copy with ``changes`` (the same class)."""
         return dataclasses.replace(self, **changes)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moetrain.errors import ConfigError
-from moetrain.layout import (CudaGraphs, Dispatcher, Layout, OptimizerStates, Precision, Recompute, Schedule,
-                             coerce_names)
+from moetrain.layout import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, CudaGraphs, Dispatcher, Layout, OptimizerStates,
+                             Precision, Recompute, Schedule)
 
 #: Pipeline schedules the trainer runs (``torch.distributed.pipelining``): all but the bidirectional DualPipe,
 #: which keeps two copies of the parameters.
@@ -201,15 +201,13 @@ class ParallelConfig(Layout):
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 
     def _check_names(self) -> None:
-        coerce_names(self, {"schedule": Schedule, "dispatcher": Dispatcher, "recompute": Recompute,
-                            "optimizer": OptimizerStates, "cuda_graphs": CudaGraphs})
         if self.dispatcher == "local":
             raise ConfigError("parallel.dispatcher='local': at ep == 1 every dispatcher is the local permutation and "
                               "above it tokens must move; leave parallel.dispatcher unset (flex, local at ep == 1) or "
                               "name alltoall / flex")
         choices = {"schedule": Schedule.values(), "dispatcher": (None, *Dispatcher.values()),
-                   "dispatch_precision": ("bf16", "fp8"), "precision": (AUTO, *Precision.values()),
-                   "attn_precision": ("bf16", "fp8"), "recompute": Recompute.values(),
+                   "dispatch_precision": DISPATCH_PRECISIONS, "precision": (AUTO, *Precision.values()),
+                   "attn_precision": ATTN_PRECISIONS, "recompute": Recompute.values(),
                    "optimizer": OptimizerStates.values(), "cuda_graphs": CudaGraphs.values()}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from moetrain.layout import LAYOUT_FIELDS, Layout
+from moetrain.layout import Layout
 from moetrain.model.config import ModelConfig
 from moetrain.plan.counts import count_code
 from moetrain.plan.hardware import GPUSpec, gpu_from_bench
@@ -71,7 +71,7 @@ def trainer_plan(model_cfg: ModelConfig, layout: Layout, micro_batch: int, grad_
     """The planner's :class:`Plan` of a ``moetrain train`` run with ``layout`` (framework moetrain): ``grad_accum``
     micro-batches of ``micro_batch`` sequences per step and data-parallel rank."""
     dp = layout.dp or 1
-    return Plan(**{f: getattr(layout, f) for f in LAYOUT_FIELDS}, micro_batch=micro_batch,
+    return Plan(**layout.layout_fields(), micro_batch=micro_batch,
                 global_batch=micro_batch * grad_accum * dp, seq_len=seq_len,
                 routing="balanced" if model_cfg.routing == "balanced" else "real", framework="moetrain",
                 name="moetrain train")
@@ -122,8 +122,8 @@ def predict_measured(model: Any, gpu: GPUSpec, n_gpus: int, plan: Plan) -> Predi
     """
     shape = load_shape(model)
     cfg = shape.config
-    own_code = gpu.generation == "cpu" and shape.attention == "mla" and hasattr(cfg, "routing")
-    max_len = getattr(cfg, "max_seq_len", None)
+    own_code = gpu.generation == "cpu" and shape.attention == "mla" and isinstance(cfg, ModelConfig)
+    max_len = cfg.max_seq_len
     if gpu.generation == "cpu" and max_len is not None and plan.seq_len > max_len:
         raise ValueError(f"sequence length {plan.seq_len} exceeds the model's max_seq_len {max_len}; "
                          f"moetrain train refuses that run too -- use a shorter sequence (--seq)")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import JobConfig
-from moetrain.layout import LAYOUT_FIELDS, Layout
+from moetrain.layout import Layout
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
@@ -81,7 +81,7 @@ def run_layout(job: JobConfig, pcfg: ParallelConfig, device_type: str) -> Layout
     from moetrain.parallel.pipeline import default_layout
 
     pp_layout = (pcfg.pp_layout or default_layout(job.model, pcfg.n_stages)) if pcfg.pp > 1 else None
-    return Layout(**{f: getattr(pcfg, f) for f in LAYOUT_FIELDS}).replace(
+    return Layout(**pcfg.layout_fields()).replace(
         precision=pcfg.run_precision(device_type), mtp_depth=job.model.mtp_depth, pp_layout=pp_layout,
         dispatcher=pcfg.dispatch_rows)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.errors import ConfigError
-from moetrain.layout import LAYOUT_FIELDS, Recompute, Routing, Schedule
+from moetrain.layout import Recompute, Routing, Schedule
 from moetrain.parallel.config import layout_not_runnable
 from moetrain.plan.plan import Plan
 
@@ -160,7 +160,8 @@ def plan_job(pf: PlanFile) -> PlanJob:
     if plan.global_batch % (plan.dp * mbs):
         raise ConfigError(f"the plan's global_batch={plan.global_batch} is not a multiple of dp x micro_batch = "
                           f"{plan.dp * mbs}")
-    parallel = {f: getattr(layout, f) for f in LAYOUT_FIELDS if f != "mtp_depth"}
+    parallel = layout.layout_fields()
+    del parallel["mtp_depth"]  # the model's setting (model.mtp_depth)
     if plan.pp > 1 and plan.pp_layout is None and pf.stages:
         parallel["pp_layout"] = megatron_layout(pf.stages)  # the split the planner costed
     sections: dict[str, dict[str, Any]] = {
