@@ -3,7 +3,11 @@
 ``add_plan_parser(subparsers)`` / ``add_bench_parser(subparsers)`` register the subcommands on the main
 ``moetrain`` parser; :func:`main` runs them standalone.
 
-Exit codes: 0 success; 2 bad input (unknown GPU or model, invalid plan); 3 the plan does not fit in memory.
+Without ``--ep`` (and without ``--record`` or ``--gpu local``) a single prediction is of the best plan that fits
+the GPUs given (:func:`moetrain.plan.search.best_fitting`), and says so; with ``--ep`` it is the plan as given.
+
+Exit codes: 0 success; 2 bad input (unknown GPU or model, invalid plan); 3 the plan does not fit in memory (without
+``--ep``: no plan searched fits).
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int, help="virtual pipeline stages (model chunks) per pipeline rank")
-    g.add_argument("--ep", type=int)
+    g.add_argument("--ep", type=int, help="expert-parallel size; without it (and without --record or --gpu local) the "
+                   "best plan that fits the GPUs is chosen -- EP, PP, VPP, schedule and recompute searched, the other "
+                   "flags given kept -- and the output says so")
     g.add_argument("--cp", type=int)
     g.add_argument("--dp", type=int, help="data parallel size (default: derived from --gpus)")
     g.add_argument("--mbs", type=int, help="micro-batch (sequences)")
@@ -313,7 +319,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"--framework {plan.framework} does not run this plan: {'; '.join(bad)}; change "
                                  f"those settings, or drop --framework to cost the plan as "
                                  f"{rec.plan.framework if rec else 'megatron'} runs it")
-        if gpu.generation == "cpu":
+        chosen = _choose_ep(args, shape, gpu, n, plan) if args.ep is None and rec is None and \
+            gpu.host_procs is None else None
+        if chosen is not None and chosen[0] is not None:
+            pred = chosen[0]
+        elif gpu.generation == "cpu":
             from moetrain.plan.local import predict_measured
 
             pred = predict_measured(shape, gpu, n, plan)
@@ -327,8 +337,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     track = (track_record(gpu, pred.plan.resolved_cuda_graphs, pred.model)
              if pred.fits and gpu.generation != "cpu" else None)
+    chose = _chosen_words(chosen, n, gpu.name) if chosen is not None else None
     if args.json or args.json_out:
         out: Any = {**pred.to_dict(), "track_record": track}
+        if chose is not None:
+            out["chosen"] = chose
         if rec:
             vs = _record_vs(rec, pred)
             if overrides:  # the band is the record's own plan's
@@ -336,6 +349,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             out["record"] = {**vs, "overrides": overrides}
         _emit_json(out, args)
     if not args.json:
+        if chose is not None:
+            print(f"moetrain plan: {chose['words']}", file=sys.stdout if chose["found"] else sys.stderr)
         report.print_prediction(pred, rec, overrides=overrides)
         if track is not None:
             print(_track_words(track, gpu.name, pred.model))
@@ -344,6 +359,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               published_note=", the record's own plan" if overrides else "")
         _said_chart(args)
     return 0 if pred.fits else 3
+
+
+def _given_fields(args: argparse.Namespace) -> list[str]:
+    """The Plan fields the command line set (a chosen plan keeps them)."""
+    given = [field for flag, field, _ in _PLAN_FLAGS if getattr(args, flag, None) is not None]
+    given += [f for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp") if getattr(args, f) is not None]
+    return given + (["recompute_modules"] if args.recompute_modules else [])
+
+
+def _choose_ep(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan) -> tuple[Any, Any]:
+    """``moetrain plan`` without ``--ep``: the best plan that fits (``search.best_fitting``: EP, PP, VPP, schedule
+    and recompute searched, TP, CP, micro-batch and every flag given kept). Returns ``(prediction or None, search)``.
+
+    Raises:
+        PlanError: the plan as given is invalid on this cluster (before any search).
+    """
+    from moetrain.plan.plan import validate
+    from moetrain.plan.search import best_fitting
+
+    validate(plan.replace(dp=None), shape, gpu, n)
+    return best_fitting(shape, gpu, n, plan, _given_fields(args))
+
+
+def _chosen_words(chosen: tuple[Any, Any], n: int, gpu: str) -> dict[str, Any]:
+    """What ``moetrain plan`` without ``--ep`` chose, and how: a line and its JSON record."""
+    best, res = chosen
+    base = res.baseline.plan if res.baseline is not None else None
+    kept = (f"TP {base.tp}, CP {base.cp}, micro-batch {base.micro_batch}" if base else "TP, CP, micro-batch") + \
+        " and the flags given kept"
+    if best is None:
+        words = (f"no --ep given, and no plan for {n} {gpu.upper()} fits (of {res.evaluated} predicted over EP, PP, "
+                 f"VPP, schedule and recompute; {kept}); the plan as given, at EP 1, follows")
+    else:
+        words = (f"no --ep given: the best plan that fits {n} {gpu.upper()}, {best.plan.short()} (by predicted "
+                 f"TFLOP/s per GPU; {len(res.ranked)} of {res.evaluated} plans predicted fit: EP, PP, VPP, schedule "
+                 f"and recompute searched, {kept}); --ep N predicts one EP, --search ranks the others")
+    return {"found": best is not None, "searched": "ep, pp, vpp, schedule, recompute", "fitting": len(res.ranked),
+            "evaluated": res.evaluated, "restriction": res.restriction, "words": words}
 
 
 def _overrides(args: argparse.Namespace, rec: Record | None = None) -> list[str]:
