@@ -45,3 +45,27 @@ def test_no_plan_fits_says_so_and_exits_3(capsys):
     assert plan_main(["--model", "deepseek-v3-671b", "--gpu", "h100", "--gpus", "8"]) == 3
     cap = capsys.readouterr()
     assert "no --ep given, and no plan for 8 H100 fits" in cap.err and "does not fit" in cap.out
+
+
+def test_records_mark_calibration_rows_and_held_out_ones(capsys):
+    from moetrain.plan import validation
+    from moetrain.plan.records import RECORDS
+
+    assert plan_main(["--records", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["key"] for r in out["records"]] == list(RECORDS) and {r["role"] for r in out["records"]} == {"calibration"}
+    dsv3 = {p.key: p for p in validation.POINTS if p.model == "deepseek-v3-671b"}
+    assert len(dsv3) == len(out["held_out"]) > 0
+    for h in out["held_out"]:
+        assert h["role"] == "held-out" and h["key"] not in RECORDS
+        assert h["published_tflops_per_gpu"] == dsv3[h["key"]].tflops_per_gpu
+    assert set(out["roles"]) == {"calibration", "held-out"}
+    assert plan_main(["--records"]) == 0
+    table = capsys.readouterr().out
+    cells = [line.split("│")[1].strip() for line in table.splitlines() if line.startswith("│")]
+    assert cells.count("calibration") == len(RECORDS) and cells.count("held-out") == len(dsv3)
+    assert plan_main(["--record", "gb300", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["record"]
+    assert rec["role"] == "calibration" and "no test" in rec["role_meaning"]
+    assert plan_main(["--record", "gb300"]) == 0
+    assert "a calibration row" in capsys.readouterr().out

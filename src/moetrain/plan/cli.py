@@ -24,7 +24,7 @@ from moetrain.plan.model import predict
 from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISIONS, DISPATCHERS, FRAMEWORKS,
                                 OPTIMIZERS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING, SCHEDULE_ALIASES,
                                 SCHEDULES, Plan, PlanError)
-from moetrain.plan.records import RECORDS, Record, get_record
+from moetrain.plan.records import RECORDS, Record, Role, get_record
 from moetrain.plan.local import local_plan
 from moetrain.plan.shape import ShapeError, load_shape
 
@@ -247,7 +247,8 @@ def _record_vs(rec: Record, pred: Any) -> dict[str, Any]:
     """A record's published figure beside a prediction of its plan: the JSON of --records and --record."""
     return {"key": rec.key, "source": rec.source, "published_tflops_per_gpu": rec.tflops_per_gpu,
             "error": pred.tflops_per_gpu / rec.tflops_per_gpu - 1 if pred.fits else None,
-            "band": list(rec.band), "in_band": bool(pred.fits and rec.in_band(pred.tflops_per_gpu))}
+            "band": list(rec.band), "in_band": bool(pred.fits and rec.in_band(pred.tflops_per_gpu)),
+            "role": str(rec.role), "role_meaning": rec.role.meaning}
 
 
 def _emit_json(obj: Any, args: argparse.Namespace) -> None:
@@ -531,17 +532,31 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _held_out_json(h: Any) -> dict[str, Any]:
+    """A held-out validation row (``validation.Row``) in the JSON of ``--records``."""
+    pt = h.point
+    return {"key": pt.key, "source": pt.source, "model": pt.model, "gpu": pt.gpu, "n_gpus": pt.n_gpus,
+            "plan": (h.prediction.plan if h.prediction else pt.plan).short(),
+            "published_tflops_per_gpu": pt.tflops_per_gpu, "predicted_tflops_per_gpu": h.predicted,
+            "error": h.error, "fits": h.predicted is not None, "role": str(Role.HELD_OUT)}
+
+
 def _cmd_records(args: argparse.Namespace) -> int:
-    from moetrain.plan import report
+    from moetrain.plan import report, validation
 
     rows = [(r, predict(r.model, r.gpu, r.n_gpus, r.plan)) for r in RECORDS.values()]
+    # beside the calibration rows, the held-out published runs of the same model (its validation points)
+    models = {r.model for r in RECORDS.values()}
+    held = validation.run(tuple(pt for pt in validation.POINTS if pt.model in models))
     if args.json or args.json_out:
         _emit_json({"records": [{**_record_vs(r, p), "gpu": r.gpu, "n_gpus": r.n_gpus, "plan": r.plan.short(),
                                  "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
                                  "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
-                                for r, p in rows]}, args)
+                                for r, p in rows],
+                    "held_out": [_held_out_json(h) for h in held],
+                    "roles": {str(k): k.meaning for k in Role}}, args)
     if not args.json:
-        report._console().print(report.records_table(rows))
+        report._console().print(report.records_table(rows, held))
     if args.png:
         report.plot_breakdown([p for _, p in rows], args.png,
                               labels=[f"{r.n_gpus} {r.gpu.upper()} ({r.source})" for r, _ in rows],
