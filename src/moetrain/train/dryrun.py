@@ -123,8 +123,6 @@ def predicted_memory(job: JobConfig, world: int, device_type: str, pred: Any = N
         return {"error": pred}
     per_rank = pred.details.get("memory_breakdown_per_device_gib")
     m = per_rank[pp_rank] if pp_rank is not None and per_rank else pred.memory.to_dict()
-    if not isinstance(m, dict):
-        m = m.to_dict()
     return {"params": m["weights"] + m["fp8_weights"], "grads": m["gradients"], "optimizer": m["optimizer"],
             "activations": m["activations"], "pp_rank": pp_rank if pp_rank is not None else pred.memory.device}
 

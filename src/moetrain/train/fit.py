@@ -44,8 +44,8 @@ def target_device(job: Any) -> str:
 
 
 def target_gpu(name: str | None, plan: Any, device_type: str) -> TargetGPU | None:
-    """The GPU of the verdict: ``name`` (``--gpu``), else the ``--plan`` file's, else :data:`DEFAULT_GPU` (assumed);
-    None for a CPU run.
+    """The GPU of the verdict: ``name`` (``--gpu``), else the ``--plan`` file's (when the planner's table has it),
+    else :data:`DEFAULT_GPU` (assumed); None for a CPU run.
 
     Raises:
         ConfigError: ``--gpu`` with ``--device cpu``, or an unknown GPU (the message lists the catalogue).
@@ -57,13 +57,21 @@ def target_gpu(name: str | None, plan: Any, device_type: str) -> TargetGPU | Non
             raise ConfigError(f"--gpu {name} judges the layout against a GPU's memory, but --device cpu trains on "
                               f"CPUs; drop --gpu, or --device cpu")
         return None
-    given = name or (plan.gpu if plan is not None else None)
-    try:
-        spec = get_gpu(given or DEFAULT_GPU)
-    except HardwareError:
-        raise ConfigError(f"--gpu {given}: no such GPU in the planner's table; use one of "
-                          f"{', '.join(catalogue_names())}") from None
-    return TargetGPU(spec.name, spec.hbm_gb, assumed=given is None)
+    if name:
+        try:
+            spec = get_gpu(name)
+        except HardwareError:
+            raise ConfigError(f"--gpu {name}: no such GPU in the planner's table; use one of "
+                              f"{', '.join(catalogue_names())}") from None
+        return TargetGPU(spec.name, spec.hbm_gb, assumed=False)
+    if plan is not None and plan.gpu:
+        try:  # a plan of a measured machine (`moetrain plan --gpu local`) names no GPU of the table
+            spec = get_gpu(plan.gpu)
+            return TargetGPU(spec.name, spec.hbm_gb, assumed=False)
+        except HardwareError:
+            pass
+    spec = get_gpu(DEFAULT_GPU)
+    return TargetGPU(spec.name, spec.hbm_gb, assumed=True)
 
 
 def pipeline_rank_rows(held: list[Any], pred: Any, stages_of: list[list[int]]) -> list[dict[str, Any]]:
