@@ -282,7 +282,7 @@ def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None 
         print(format_stages(stages))
         ranks = pipeline_rank_rows(held, prediction, [local_stages(ctx.pcfg, r) if ctx.pcfg.pp > 1 else [0]
                                                       for r in range(ctx.pcfg.pp)])
-        fit = verdict(ranks, target, str(layout.precision))
+        fit = verdict(ranks, target, layout.precision)
         print(format_pipeline_ranks(ranks, fit))
         summary = {"dry_run": True, "world": world, "ranks": [asdict(held[0])], "predicted_gib": pred,
                    "total_params": total, "layout": layout.layout_dict(), "stages": stages,

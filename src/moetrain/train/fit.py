@@ -20,7 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moetrain.config import JobConfig
 from moetrain.errors import ConfigError
+from moetrain.layout import Precision
 
 GiB = 2 ** 30
 #: The GPU a ``--dry-run --world`` layout is predicted and judged on when neither ``--gpu`` nor a ``--plan`` file
@@ -37,7 +39,7 @@ class TargetGPU:
     assumed: bool
 
 
-def target_device(job: Any) -> str:
+def target_device(job: JobConfig) -> str:
     """The device type a ``--world`` layout trains on: "cpu" only for an explicit ``--device cpu``; "auto" means the
     GPUs such a layout exists on, whatever this host has (its precision, and so its activations, are a GPU's)."""
     return "cpu" if job.train.device == "cpu" else "cuda"
@@ -92,11 +94,12 @@ def pipeline_rank_rows(held: list[Any], pred: Any, stages_of: list[list[int]]) -
     return rows
 
 
-def verdict(rows: list[dict[str, Any]], gpu: TargetGPU | None, precision: str) -> dict[str, Any]:
-    """Fit or not: the heaviest pipeline rank's need against ``gpu``'s memory. ``fits`` is None (and ``why`` says
-    why) when there is no GPU (a CPU run) or the planner could not model the run."""
+def verdict(rows: list[dict[str, Any]], gpu: TargetGPU | None, precision: Precision) -> dict[str, Any]:
+    """Fit or not: the heaviest pipeline rank's need against ``gpu``'s memory (``precision``: the run's GEMM
+    precision, which sized its activations). ``fits`` is None (and ``why`` says why) when there is no GPU (a CPU
+    run) or the planner could not model the run."""
     base: dict[str, Any] = {"gpu": gpu.name if gpu else None, "gpu_assumed": gpu.assumed if gpu else None,
-                            "memory_gib": gpu.memory_gib if gpu else None, "precision": precision}
+                            "memory_gib": gpu.memory_gib if gpu else None, "precision": str(precision)}
     needs = [r for r in rows if r["need_gib"] is not None]
     if gpu is None:
         return {**base, "fits": None, "why": "a --device cpu run: its memory is the host's"}
