@@ -338,7 +338,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     track = (track_record(gpu, pred.plan.resolved_cuda_graphs, pred.model)
              if pred.fits and gpu.generation != "cpu" else None)
-    chose = _chosen_words(chosen, n, gpu.name) if chosen is not None else None
+    chose = report.chosen_words(chosen, n, gpu.name) if chosen is not None else None
     if args.json or args.json_out:
         out: Any = {**pred.to_dict(), "track_record": track}
         if chose is not None:
@@ -381,23 +381,6 @@ def _choose_ep(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pla
 
     validate(plan.replace(dp=None), shape, gpu, n)
     return best_fitting(shape, gpu, n, plan, _given_fields(args))
-
-
-def _chosen_words(chosen: tuple[Any, Any], n: int, gpu: str) -> dict[str, Any]:
-    """What ``moetrain plan`` without ``--ep`` chose, and how: a line and its JSON record."""
-    best, res = chosen
-    base = res.baseline.plan if res.baseline is not None else None
-    kept = (f"TP {base.tp}, CP {base.cp}, micro-batch {base.micro_batch}" if base else "TP, CP, micro-batch") + \
-        " and the flags given kept"
-    if best is None:
-        words = (f"no --ep given, and no plan for {n} {gpu.upper()} fits (of {res.evaluated} predicted over EP, PP, "
-                 f"VPP, schedule and recompute; {kept}); the plan as given, at EP 1, follows")
-    else:
-        words = (f"no --ep given: the best plan that fits {n} {gpu.upper()}, {best.plan.short()} (by predicted "
-                 f"TFLOP/s per GPU; {len(res.ranked)} of {res.evaluated} plans predicted fit: EP, PP, VPP, schedule "
-                 f"and recompute searched, {kept}); --ep N predicts one EP, --search ranks the others")
-    return {"found": best is not None, "searched": "ep, pp, vpp, schedule, recompute", "fitting": len(res.ranked),
-            "evaluated": res.evaluated, "restriction": res.restriction, "words": words}
 
 
 def _overrides(args: argparse.Namespace, rec: Record | None = None) -> list[str]:
@@ -532,15 +515,6 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _held_out_json(h: Any) -> dict[str, Any]:
-    """A held-out validation row (``validation.Row``) in the JSON of ``--records``."""
-    pt = h.point
-    return {"key": pt.key, "source": pt.source, "model": pt.model, "gpu": pt.gpu, "n_gpus": pt.n_gpus,
-            "plan": (h.prediction.plan if h.prediction else pt.plan).short(),
-            "published_tflops_per_gpu": pt.tflops_per_gpu, "predicted_tflops_per_gpu": h.predicted,
-            "error": h.error, "fits": h.predicted is not None, "role": str(Role.HELD_OUT)}
-
-
 def _cmd_records(args: argparse.Namespace) -> int:
     from moetrain.plan import report, validation
 
@@ -553,7 +527,7 @@ def _cmd_records(args: argparse.Namespace) -> int:
                                  "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
                                  "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
                                 for r, p in rows],
-                    "held_out": [_held_out_json(h) for h in held],
+                    "held_out": [report.held_out_json(h) for h in held],
                     "roles": {str(k): k.meaning for k in Role}}, args)
     if not args.json:
         report._console().print(report.records_table(rows, held))

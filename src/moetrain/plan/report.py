@@ -126,6 +126,32 @@ def records_table(rows: Sequence[tuple[Record, Prediction]], held_out: Sequence[
     return t
 
 
+def held_out_json(h: Any) -> dict[str, Any]:
+    """A held-out validation row (``validation.Row``) in the JSON of ``--records``."""
+    pt = h.point
+    return {"key": pt.key, "source": pt.source, "model": pt.model, "gpu": pt.gpu, "n_gpus": pt.n_gpus,
+            "plan": (h.prediction.plan if h.prediction else pt.plan).short(),
+            "published_tflops_per_gpu": pt.tflops_per_gpu, "predicted_tflops_per_gpu": h.predicted,
+            "error": h.error, "fits": h.predicted is not None, "role": str(Role.HELD_OUT)}
+
+
+def chosen_words(chosen: tuple[Any, Any], n: int, gpu: str) -> dict[str, Any]:
+    """What ``moetrain plan`` without ``--ep`` chose, and how: a line and its JSON record."""
+    best, res = chosen
+    base = res.baseline.plan if res.baseline is not None else None
+    kept = (f"TP {base.tp}, CP {base.cp}, micro-batch {base.micro_batch}" if base else "TP, CP, micro-batch") + \
+        " and the flags given kept"
+    if best is None:
+        words = (f"no --ep given, and no plan for {n} {gpu.upper()} fits (of {res.evaluated} predicted over EP, PP, "
+                 f"VPP, schedule and recompute; {kept}); the plan as given, at EP 1, follows")
+    else:
+        words = (f"no --ep given: the best plan that fits {n} {gpu.upper()}, {best.plan.short()} (by predicted "
+                 f"TFLOP/s per GPU; {len(res.ranked)} of {res.evaluated} plans predicted fit: EP, PP, VPP, schedule "
+                 f"and recompute searched, {kept}); --ep N predicts one EP, --search ranks the others")
+    return {"found": best is not None, "searched": "ep, pp, vpp, schedule, recompute", "fitting": len(res.ranked),
+            "evaluated": res.evaluated, "restriction": res.restriction, "words": words}
+
+
 def breakdown_rows(pred: Prediction) -> dict[str, float]:
     """Seconds per step by mechanism: the compute classes, exposed all-to-all, other communication, bubble,
     optimizer (the parts sum to the step)."""
