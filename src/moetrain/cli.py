@@ -111,6 +111,11 @@ def add_train_args(ap: argparse.ArgumentParser) -> None:
                     "measured peak memory and the performance model's prediction")
     ap.add_argument("--world", type=int, metavar="N", help="with --dry-run: report rank 0 of an N-rank layout that "
                     "does not exist here, built on meta in this process (no data preparation, no workers)")
+    ap.add_argument("--gpu", metavar="NAME", help="with --dry-run --world: the GPU the layout is predicted on and "
+                    "judged against (fits / does not fit, exit 3 when it does not): a `moetrain plan` GPU name (h100, "
+                    "h200, b200, gb300, ...); default the --plan file's GPU, else h100, which the verdict calls "
+                    "assumed. A --world layout trains in the GPU's precision (bf16 activations) also when this host "
+                    "has no GPU; --device cpu judges a CPU run (no verdict)")
     ap.add_argument("--help-config", nargs="?", const="all", metavar="SECTION",
                     help="list every section and field (type, this job's value, meaning) and exit; with a SECTION "
                     "(model, parallel, data, train) the full meaning of its fields")
@@ -186,7 +191,7 @@ def job_from_args(args: argparse.Namespace, fit_world: bool = True):
     from moetrain.config import load_job_config
 
     job = load_job_config(args.config, _sets_from_args(args), world=_launch_world(args) if fit_world else None,
-                          plan=_plan_sections(args))
+                          plan=_plan_sections(args), dry_run_world=getattr(args, "world", None) is not None)
     for note in job.notes:
         print(f"[moetrain] note: {note}")
     return job
@@ -223,7 +228,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     job = job_from_args(args)
     plan = _plan_file(args) if getattr(args, "plan", None) and args.dry_run else None  # set beside the run
-    summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan)
+    summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan, gpu=args.gpu)
+    if summary and summary.get("verdict", {}).get("fits") is False:
+        return 3  # as `moetrain plan`: the layout does not fit the GPU's memory
     if summary and summary.get("stopped"):  # a clean stop on SIGINT/SIGTERM (moetrain.train.stopping)
         from moetrain.train.stopping import resume_command, stop_line
         if "RANK" not in os.environ:  # under torchrun rank 0 printed it already

@@ -52,7 +52,7 @@ else:  # pragma: no cover
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
 from moetrain.layout import LAYOUT_FIELDS, TRAINER_KEY_ALIASES, Schedule, translate_aliases
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
-from moetrain.parallel.config import ParallelConfig
+from moetrain.parallel.config import ParallelConfig, more_ranks
 from moetrain.train.config import TrainConfig
 
 SECTIONS = ("model", "parallel", "data", "train")
@@ -191,22 +191,22 @@ def _resolve_vocab(model: ModelConfig, data: DataConfig, fixed_by: str | None) -
     return model
 
 
-def _resolve_ep(job: JobConfig, world: int, user_set: bool) -> None:
+def _resolve_ep(job: JobConfig, world: int, user_set: bool, dry_run_world: bool = False) -> None:
     """Fit parallel.ep to ``world`` (see the module docstring); a note says when an unset EP was lowered. Under
-    pipelining EP is carved out of one stage's ranks (world / pp)."""
+    pipelining EP is carved out of one stage's ranks (world / pp). ``dry_run_world``: ``world`` is a dry run's
+    ``--world``, which the messages name."""
     ep, n_experts, pp = job.parallel.ep, job.model.n_routed_experts, job.parallel.pp
+    ranks = f"--world {world}" if dry_run_world else f"the {world} process(es) of this run"
     if world % pp:
-        raise ConfigError(f"parallel.pp={pp} does not divide the {world} process(es) of this run; launch a multiple "
-                          f"of {pp} processes (--nproc) or change --pp")
+        raise ConfigError(f"parallel.pp={pp} does not divide {ranks}; {more_ranks(pp, dry_run_world)} or change --pp")
     stage = world // pp
-    where = (f"the {stage} process(es) of each pipeline stage ({world} processes / pp {pp})" if pp > 1
-             else f"the {world} process(es) of this run")
+    where = (f"the {stage} rank(s) of each pipeline stage ({ranks} / pp {pp})" if pp > 1 else ranks)
     if user_set:
         if stage % ep:
             ok = [d for d in range(1, stage + 1) if stage % d == 0 and n_experts % d == 0]
             raise ConfigError(f"parallel.ep={ep} does not divide {where}; use --ep {fit_ep(ep, stage, n_experts)} "
-                              f"(allowed here: {', '.join(map(str, ok))}), or launch a multiple of "
-                              f"{'pp x ep = ' if pp > 1 else ''}{pp * ep} processes (--nproc)")
+                              f"(allowed here: {', '.join(map(str, ok))}), or "
+                              f"{more_ranks(pp * ep, dry_run_world)}{' (pp x ep)' if pp > 1 else ''}")
         return
     fit = fit_ep(ep, stage, n_experts)
     if fit != ep:
@@ -251,7 +251,8 @@ def _planned_split(job: JobConfig, world: int | None) -> None:
 
 
 def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
-                     world: int | Callable[[JobConfig], int | None] | None = None) -> JobConfig:
+                     world: int | Callable[[JobConfig], int | None] | None = None,
+                     dry_run_world: bool = False) -> JobConfig:
     """Build a validated JobConfig from raw sections (file contents merged with overrides).
 
     ``model.preset`` (default "tiny") or ``model.hf_config`` (a HF config.json) gives the starting model; other
@@ -263,6 +264,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         sections: ``{section: {field: value}}``.
         world: the number of processes that will train (or a function of the preliminary job giving it, None if
             unknown): an unset ``parallel.ep`` is lowered to fit it, a set one must divide it. None: EP as given.
+        dry_run_world: ``world`` is the ``--world`` of a dry run (the messages name that option, not --nproc).
 
     Raises:
         ConfigError / ValueError: naming the offending field and the fix. DataError: ``data.tokenizer`` cannot be
@@ -319,7 +321,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
     if callable(world):
         world = world(job)
     if world is not None and world >= 1:
-        _resolve_ep(job, world, user_set="ep" in sections.get("parallel", {}))
+        _resolve_ep(job, world, user_set="ep" in sections.get("parallel", {}), dry_run_world=dry_run_world)
     if job.parallel.pp > 1 and job.parallel.pp_layout is None:
         _planned_split(job, world)
     if job.parallel.ep_overlap and job.parallel.ep == 1:
@@ -330,9 +332,10 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
 
 def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
                     world: int | Callable[[JobConfig], int | None] | None = None,
-                    plan: dict[str, dict[str, Any]] | None = None) -> JobConfig:
+                    plan: dict[str, dict[str, Any]] | None = None, dry_run_world: bool = False) -> JobConfig:
     """File (optional), then a plan's sections (``plan``, from :func:`moetrain.train.from_plan.plan_job`), then
-    ``section.field=value`` overrides -> validated JobConfig (``world``: see :func:`build_job_config`). Each source's
+    ``section.field=value`` overrides -> validated JobConfig (``world``, ``dry_run_world``: see
+    :func:`build_job_config`). Each source's
     older key names are translated on its own, so a newer name in one and an older in the next override each other."""
     sections = translate_aliases(read_config_file(path)) if path else {}
     sections = _merge(sections, plan or {})
@@ -348,7 +351,7 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
         # dedup = true reads as "the default dispatcher", which cannot undo a dispatcher the file set
         raise ConfigError("parallel.dedup (the older name of parallel.dispatcher) cannot override the "
                           "parallel.dispatcher of the config file; set --set parallel.dispatcher=flex or alltoall")
-    return build_job_config(_merge(sections, translate_aliases(given)), world)
+    return build_job_config(_merge(sections, translate_aliases(given)), world, dry_run_world)
 
 
 def save_job_config(job: JobConfig, path: str | Path) -> Path:

@@ -117,14 +117,17 @@ def test_dry_run_of_a_layout_that_does_not_exist_here(tmp_path):
 
     p = _moetrain("train", "--preset", "deepseek-v3-671b", "--dry-run", "--world", "256", "--ep", "64",
                   "--set", "data.seq_len=4096", "--set", "train.micro_batch_size=1", "--out", str(tmp_path / "r"),
-                  timeout=120)
+                  "--gpu", "gb300", timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     row = next(line.split() for line in p.stdout.splitlines() if line.split()[:1] == ["0"])
     held = int(row[1].replace(",", ""))
     total = count_params(get_preset("deepseek-v3-671b")).total_with_mtp
     assert abs(held - total / 256) / (total / 256) < 0.01  # rank 0's FSDP shard of everything, nothing replicated
     model = next(line.split() for line in p.stdout.splitlines() if line.startswith("model"))
-    assert abs(float(model[1]) - float(row[2])) / float(row[2]) < 0.01  # the planner agrees on the weights
+    # the planner agrees on the fp32 gradients; its weights are the bf16 working copy a GPU run gathers
+    assert abs(float(model[2]) - float(row[3])) / float(row[3]) < 0.01
+    assert abs(float(model[1]) - float(row[2]) / 2) / float(row[2]) < 0.01
+    assert "verdict: FITS on GB300 (288 GiB)" in p.stdout
     p = _moetrain("train", "--world", "8", "--out", str(tmp_path / "r2"))
     assert p.returncode == 2 and "--dry-run" in p.stderr, p.stderr
 

@@ -21,6 +21,14 @@ DISPATCHERS = (Dispatcher.ALLTOALL, Dispatcher.FLEX)
 AUTO = "auto"
 
 
+def more_ranks(multiple: int, dry_run_world: bool) -> str:
+    """The fix for a rank count that is not a multiple of ``multiple``, naming the option that sets the count: the
+    ``--world`` of a dry run's layout (``dry_run_world``), else the processes launched (``--nproc``)."""
+    if dry_run_world:
+        return f"give --world a multiple of {multiple}"
+    return f"launch a multiple of {multiple} processes (--nproc)"
+
+
 def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
     """What of ``layout`` the trainer cannot run: ``(what, "field=value; what runs instead")`` per field, empty when
     all of it runs. The one list of the trainer's limits, for its own config and for plans (``moetrain.train.
@@ -264,16 +272,17 @@ class ParallelConfig(Layout):
             return self.precision == Precision.BF16
         return device_type == "cuda"
 
-    def resolve(self, world_size: int, n_routed_experts: int) -> "ParallelConfig":
+    def resolve(self, world_size: int, n_routed_experts: int, dry_run_world: bool = False) -> "ParallelConfig":
         """Check the sizes against the world and the model; return a copy with dp and fsdp filled in.
+        ``dry_run_world``: the world is a dry run's ``--world`` (the messages name that option).
 
         Raises:
             ConfigError: pp does not divide the world, ep does not divide the experts or a stage's ranks, or
                 pp * dp != world.
         """
         if world_size % self.pp:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp={self.pp}; launch a multiple "
-                              f"of {self.pp} processes (--nproc) or change pp")
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.pp={self.pp}; "
+                              f"{more_ranks(self.pp, dry_run_world)} or change pp")
         stage = world_size // self.pp
         if n_routed_experts % self.ep:
             ok = [d for d in range(1, n_routed_experts + 1) if n_routed_experts % d == 0 and stage % d == 0]
@@ -281,13 +290,14 @@ class ParallelConfig(Layout):
                               f" with {stage} ranks per pipeline stage the allowed ep values are {ok}")
         if stage % self.ep:
             raise ConfigError(f"{stage} ranks per pipeline stage (world {world_size} / pp {self.pp}) are not "
-                              f"divisible by parallel.ep={self.ep}; launch a multiple of pp x ep = "
-                              f"{self.pp * self.ep} processes or change ep")
+                              f"divisible by parallel.ep={self.ep}; "
+                              f"{more_ranks(self.pp * self.ep, dry_run_world)} (pp x ep) or change ep")
         dp = self.dp or stage
         if self.pp * dp != world_size:
             hint = (f"; before parallel.dp took Megatron's meaning it counted the expert replicas, and a dp of "
                     f"{dp} with ep={self.ep} is now written parallel.dp={dp * self.ep}"
                     if self.pp * dp * self.ep == world_size else "")
-            raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} = {self.pp * dp} != world size {world_size} "
+            world = f"--world {world_size}" if dry_run_world else f"world size {world_size}"
+            raise ConfigError(f"parallel.pp={self.pp} x parallel.dp={dp} = {self.pp * dp} != {world} "
                               f"(dp counts every rank of a stage, the expert-parallel ones included{hint})")
         return dataclasses.replace(self, dp=dp, fsdp=not self.keeps_params_gathered)

@@ -233,7 +233,7 @@ def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> Pa
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    pcfg = pcfg.resolve(world, n_routed_experts)
+    pcfg = pcfg.resolve(world, n_routed_experts, dry_run_world=True)
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     mesh, flat = build_mesh("cpu", pcfg.pp, pcfg.edp, pcfg.ep, None)

@@ -3,7 +3,11 @@
 ``add_plan_parser(subparsers)`` / ``add_bench_parser(subparsers)`` register the subcommands on the main
 ``moetrain`` parser; :func:`main` runs them standalone.
 
-Exit codes: 0 success; 2 bad input (unknown GPU or model, invalid plan); 3 the plan does not fit in memory.
+Without ``--ep`` (and without ``--record`` or ``--gpu local``) a single prediction is of the best plan that fits
+the GPUs given (:func:`moetrain.plan.search.best_fitting`), and says so; with ``--ep`` it is the plan as given.
+
+Exit codes: 0 success; 2 bad input (unknown GPU or model, invalid plan); 3 the plan does not fit in memory (without
+``--ep``: no plan searched fits).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from moetrain.plan.model import predict
 from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISIONS, DISPATCHERS, FRAMEWORKS,
                                 OPTIMIZERS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING, SCHEDULE_ALIASES,
                                 SCHEDULES, Plan, PlanError)
-from moetrain.plan.records import RECORDS, Record, get_record
+from moetrain.plan.records import RECORDS, Record, Role, get_record
 from moetrain.plan.local import local_plan
 from moetrain.plan.shape import ShapeError, load_shape
 
@@ -59,7 +63,9 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int)
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int, help="virtual pipeline stages (model chunks) per pipeline rank")
-    g.add_argument("--ep", type=int)
+    g.add_argument("--ep", type=int, help="expert-parallel size; without it (and without --record or --gpu local) the "
+                   "best plan that fits the GPUs is chosen -- EP, PP, VPP, schedule and recompute searched, the other "
+                   "flags given kept -- and the output says so")
     g.add_argument("--cp", type=int)
     g.add_argument("--dp", type=int, help="data parallel size (default: derived from --gpus)")
     g.add_argument("--mbs", type=int, help="micro-batch (sequences)")
@@ -241,7 +247,8 @@ def _record_vs(rec: Record, pred: Any) -> dict[str, Any]:
     """A record's published figure beside a prediction of its plan: the JSON of --records and --record."""
     return {"key": rec.key, "source": rec.source, "published_tflops_per_gpu": rec.tflops_per_gpu,
             "error": pred.tflops_per_gpu / rec.tflops_per_gpu - 1 if pred.fits else None,
-            "band": list(rec.band), "in_band": bool(pred.fits and rec.in_band(pred.tflops_per_gpu))}
+            "band": list(rec.band), "in_band": bool(pred.fits and rec.in_band(pred.tflops_per_gpu)),
+            "role": str(rec.role), "role_meaning": rec.role.meaning}
 
 
 def _emit_json(obj: Any, args: argparse.Namespace) -> None:
@@ -313,7 +320,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise ValueError(f"--framework {plan.framework} does not run this plan: {'; '.join(bad)}; change "
                                  f"those settings, or drop --framework to cost the plan as "
                                  f"{rec.plan.framework if rec else 'megatron'} runs it")
-        if gpu.generation == "cpu":
+        chosen = _choose_ep(args, shape, gpu, n, plan) if args.ep is None and rec is None and \
+            gpu.host_procs is None else None
+        if chosen is not None and chosen[0] is not None:
+            pred = chosen[0]
+        elif gpu.generation == "cpu":
             from moetrain.plan.local import predict_measured
 
             pred = predict_measured(shape, gpu, n, plan)
@@ -327,8 +338,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     track = (track_record(gpu, pred.plan.resolved_cuda_graphs, pred.model)
              if pred.fits and gpu.generation != "cpu" else None)
+    chose = report.chosen_words(chosen, n, gpu.name) if chosen is not None else None
     if args.json or args.json_out:
         out: Any = {**pred.to_dict(), "track_record": track}
+        if chose is not None:
+            out["chosen"] = chose
         if rec:
             vs = _record_vs(rec, pred)
             if overrides:  # the band is the record's own plan's
@@ -336,6 +350,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             out["record"] = {**vs, "overrides": overrides}
         _emit_json(out, args)
     if not args.json:
+        if chose is not None:
+            print(f"moetrain plan: {chose['words']}", file=sys.stdout if chose["found"] else sys.stderr)
         report.print_prediction(pred, rec, overrides=overrides)
         if track is not None:
             print(_track_words(track, gpu.name, pred.model))
@@ -344,6 +360,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               published_note=", the record's own plan" if overrides else "")
         _said_chart(args)
     return 0 if pred.fits else 3
+
+
+def _given_fields(args: argparse.Namespace) -> list[str]:
+    """The Plan fields the command line set (a chosen plan keeps them)."""
+    given = [field for flag, field, _ in _PLAN_FLAGS if getattr(args, flag, None) is not None]
+    given += [f for f in ("ep_overlap", "fp8_param", "dp_overlap", "fsdp", "fused_mlp") if getattr(args, f) is not None]
+    return given + (["recompute_modules"] if args.recompute_modules else [])
+
+
+def _choose_ep(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Plan) -> tuple[Any, Any]:
+    """``moetrain plan`` without ``--ep``: the best plan that fits (``search.best_fitting``: EP, PP, VPP, schedule
+    and recompute searched, TP, CP, micro-batch and every flag given kept). Returns ``(prediction or None, search)``.
+
+    Raises:
+        PlanError: the plan as given is invalid on this cluster (before any search).
+    """
+    from moetrain.plan.plan import validate
+    from moetrain.plan.search import best_fitting
+
+    validate(plan.replace(dp=None), shape, gpu, n)
+    return best_fitting(shape, gpu, n, plan, _given_fields(args))
 
 
 def _overrides(args: argparse.Namespace, rec: Record | None = None) -> list[str]:
@@ -479,16 +516,21 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_records(args: argparse.Namespace) -> int:
-    from moetrain.plan import report
+    from moetrain.plan import report, validation
 
     rows = [(r, predict(r.model, r.gpu, r.n_gpus, r.plan)) for r in RECORDS.values()]
+    # beside the calibration rows, the held-out published runs of the same model (its validation points)
+    models = {r.model for r in RECORDS.values()}
+    held = validation.run(tuple(pt for pt in validation.POINTS if pt.model in models))
     if args.json or args.json_out:
         _emit_json({"records": [{**_record_vs(r, p), "gpu": r.gpu, "n_gpus": r.n_gpus, "plan": r.plan.short(),
                                  "predicted_tflops_per_gpu": p.tflops_per_gpu, "fits": p.fits,
                                  "tolerance": r.tolerance, "step_s": p.step.to_dict() if p.step else None}
-                                for r, p in rows]}, args)
+                                for r, p in rows],
+                    "held_out": [report.held_out_json(h) for h in held],
+                    "roles": {str(k): k.meaning for k in Role}}, args)
     if not args.json:
-        report._console().print(report.records_table(rows))
+        report._console().print(report.records_table(rows, held))
     if args.png:
         report.plot_breakdown([p for _, p in rows], args.png,
                               labels=[f"{r.n_gpus} {r.gpu.upper()} ({r.source})" for r, _ in rows],

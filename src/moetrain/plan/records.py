@@ -25,7 +25,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.layout import Name
 from moetrain.plan.plan import Plan
+
+
+class Role(Name):
+    """What a published row was to the performance model while it was built."""
+
+    #: compared with while the constants and mechanisms were set (docs/performance-model.md, "How the values were
+    #: reached"): the model reproducing it is no test of the model
+    CALIBRATION = "calibration"
+    #: never compared with while the model was built (``moetrain.plan.validation``): the model's test
+    HELD_OUT = "held-out"
+
+    @property
+    def meaning(self) -> str:
+        """One line for a report."""
+        if self == Role.CALIBRATION:
+            return ("a calibration row: the model's constants and mechanisms were set while comparing with this run, "
+                    "so agreement here is no test; the held-out runs are `moetrain plan --validate`")
+        return "held out: never compared with while the model was built"
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,9 @@ class Record:
     #: (GPU-hours per trillion tokens), a lower bound for the steady-state step: [1, 1/0.8] (at least 80% goodput).
     band_ratio: tuple[float, float] | None = None
     framework: str = "megatron"
+    #: every record is a calibration row: the constants reproduce the four (docs/performance-model.md), the GB300
+    #: one being the run the Blackwell constants were first set on; the held-out rows are the validation points
+    role: Role = Role.CALIBRATION
 
     @property
     def band(self) -> tuple[float, float]:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from moetrain.plan.constants import all_constants
 from moetrain.plan.model import Prediction
-from moetrain.plan.records import Record
+from moetrain.plan.records import Record, Role
 from moetrain.plan.search import ScalePoint, SearchResult
 
 BREAKDOWN = (("compute", "compute"), ("exposed_a2a", "exposed all-to-all"), ("other_comm", "other communication"),
@@ -67,6 +67,7 @@ def prediction_table(pred: Prediction, record: Record | None = None, overrides: 
                 t.add_row("published", f"{record.tflops_per_gpu:,.0f}",
                           f"{record.source}: error {err:+.1%} ({'within' if ok else 'OUTSIDE'} the band "
                           f"[{lo:,.0f}, {hi:,.0f}])")
+            t.add_row("role", str(record.role), record.role.meaning)
     m = pred.memory
     t.add_row("memory per GPU", f"{m.total:.1f} GiB",
               f"of {pred.memory_limit_gib:.0f}: weights {m.weights:.1f} + FP8 copies {m.fp8_weights:.1f} + grads "
@@ -85,13 +86,20 @@ def print_prediction(pred: Prediction, record: Record | None = None, file: Any =
         c.print("stages: " + " | ".join(pred.details.get("stages", [])))
 
 
-def records_table(rows: Sequence[tuple[Record, Prediction]]):
-    """Predicted vs published for the rows of docs/reference.md section 4."""
+def records_table(rows: Sequence[tuple[Record, Prediction]], held_out: Sequence[Any] = ()):
+    """Predicted vs published for the rows of docs/reference.md section 4 (the calibration rows), then the held-out
+    rows of the same model (``held_out``: :class:`moetrain.plan.validation.Row`), each row's role in its own
+    column."""
     from rich.table import Table
 
-    t = Table(title="Predicted vs published DeepSeek-V3 throughput (one set of constants)", title_justify="left")
-    for col, just in (("source", "left"), ("GPUs", "right"), ("plan", "left"), ("published TFLOP/s", "right"),
-                      ("predicted", "right"), ("error", "right"), ("tolerance", "right"), ("memory GiB", "right")):
+    title = "Predicted vs published DeepSeek-V3 throughput (one set of constants)"
+    if held_out:
+        title += (f": {len(rows)} calibration rows (the constants were set while comparing with them), "
+                  f"{len(held_out)} held out (never compared with while the model was built)")
+    t = Table(title=title, title_justify="left")
+    for col, just in (("role", "left"), ("source", "left"), ("GPUs", "right"), ("plan", "left"),
+                      ("published TFLOP/s", "right"), ("predicted", "right"), ("error", "right"),
+                      ("tolerance", "right"), ("memory GiB", "right")):
         t.add_column(col, justify=just)
     for r, p in rows:
         lo, hi = r.band
@@ -99,14 +107,49 @@ def records_table(rows: Sequence[tuple[Record, Prediction]]):
         if p.fits:
             err = p.tflops_per_gpu / r.tflops_per_gpu - 1
             ok = r.in_band(p.tflops_per_gpu)
-            t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", f"TP{r.plan.tp}/PP{r.plan.pp}/VPP{r.plan.vpp}/EP{r.plan.ep}",
+            t.add_row(str(r.role), r.source, f"{r.n_gpus} {r.gpu.upper()}",
+                      f"TP{r.plan.tp}/PP{r.plan.pp}/VPP{r.plan.vpp}/EP{r.plan.ep}",
                       f"{r.tflops_per_gpu:,.0f}", f"{p.tflops_per_gpu:,.0f}",
                       f"[{'green' if ok else 'red'}]{err:+.1%}[/]", band,
                       f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
         else:
-            t.add_row(r.source, f"{r.n_gpus} {r.gpu.upper()}", "", f"{r.tflops_per_gpu:,.0f}", "does not fit", "",
-                      band, f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+            t.add_row(str(r.role), r.source, f"{r.n_gpus} {r.gpu.upper()}", "", f"{r.tflops_per_gpu:,.0f}",
+                      "does not fit", "", band, f"{p.memory.total:.0f}/{p.memory_limit_gib:g}")
+    for row in held_out:
+        pt, p = row.point, row.prediction
+        plan = p.plan if p is not None else pt.plan
+        t.add_row(str(Role.HELD_OUT), pt.source, f"{pt.n_gpus} {pt.gpu.upper()}",
+                  f"TP{plan.tp}/PP{plan.pp}/VPP{plan.vpp}/EP{plan.ep}", f"{pt.tflops_per_gpu:,.0f}",
+                  f"{row.predicted:,.0f}" if row.predicted is not None else "does not fit",
+                  f"{row.error:+.1%}" if row.error is not None else "", "-",
+                  f"{p.memory.total:.0f}/{p.memory_limit_gib:g}" if p is not None else "")
     return t
+
+
+def held_out_json(h: Any) -> dict[str, Any]:
+    """A held-out validation row (``validation.Row``) in the JSON of ``--records``."""
+    pt = h.point
+    return {"key": pt.key, "source": pt.source, "model": pt.model, "gpu": pt.gpu, "n_gpus": pt.n_gpus,
+            "plan": (h.prediction.plan if h.prediction else pt.plan).short(),
+            "published_tflops_per_gpu": pt.tflops_per_gpu, "predicted_tflops_per_gpu": h.predicted,
+            "error": h.error, "fits": h.predicted is not None, "role": str(Role.HELD_OUT)}
+
+
+def chosen_words(chosen: tuple[Any, Any], n: int, gpu: str) -> dict[str, Any]:
+    """What ``moetrain plan`` without ``--ep`` chose, and how: a line and its JSON record."""
+    best, res = chosen
+    base = res.baseline.plan if res.baseline is not None else None
+    kept = (f"TP {base.tp}, CP {base.cp}, micro-batch {base.micro_batch}" if base else "TP, CP, micro-batch") + \
+        " and the flags given kept"
+    if best is None:
+        words = (f"no --ep given, and no plan for {n} {gpu.upper()} fits (of {res.evaluated} predicted over EP, PP, "
+                 f"VPP, schedule and recompute; {kept}); the plan as given, at EP 1, follows")
+    else:
+        words = (f"no --ep given: the best plan that fits {n} {gpu.upper()}, {best.plan.short()} (by predicted "
+                 f"TFLOP/s per GPU; {len(res.ranked)} of {res.evaluated} plans predicted fit: EP, PP, VPP, schedule "
+                 f"and recompute searched, {kept}); --ep N predicts one EP, --search ranks the others")
+    return {"found": best is not None, "searched": "ep, pp, vpp, schedule, recompute", "fitting": len(res.ranked),
+            "evaluated": res.evaluated, "restriction": res.restriction, "words": words}
 
 
 def breakdown_rows(pred: Prediction) -> dict[str, float]:

@@ -267,6 +267,33 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                         not_fitting=not_fit, baseline_error=base_err, framework=fw or "", restriction=restriction)
 
 
+def best_fitting(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan,
+                 kept: Iterable[str] = ()) -> tuple[Prediction | None, SearchResult]:
+    """The best plan for ``n_gpus`` that fits (``moetrain plan`` without ``--ep``): :func:`search` over EP, PP, VPP
+    and the schedule (recompute from none upwards, as the search does), with TP, CP and the micro-batch of ``base``
+    kept, then the first ranked plan that, with the ``kept`` fields (Plan field names the user gave) set back to
+    ``base``'s values, still fits. Returns ``(prediction or None, the search)``.
+
+    Raises:
+        HardwareError / ShapeError: unknown GPU or model.
+    """
+    kept = set(kept)
+    res = search(model, gpu, n_gpus, base, tp=[base.tp], cp=[base.cp], micro_batch=[base.micro_batch],
+                 pp=[base.pp] if "pp" in kept else None, vpp=[base.vpp] if "vpp" in kept else None,
+                 schedules=[base.resolved_schedule] if "schedule" in kept else None)
+    for pred in res.ranked:
+        back = {f: getattr(base, f) for f in kept if getattr(pred.plan, f) != getattr(base, f)}
+        if not back:
+            return pred, res
+        try:
+            again = predict(model, gpu, n_gpus, pred.plan.replace(**back))
+        except PlanError:
+            continue
+        if again.fits:
+            return again, res
+    return None, res
+
+
 # ---- scaling -------------------------------------------------------------------------------------------------
 
 @dataclass

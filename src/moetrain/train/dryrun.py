@@ -12,8 +12,9 @@ Beside the held bytes the report prints the performance model's memory predictio
 (:func:`moetrain.plan.model.predict`), so the two can be compared. ``dry_run.json`` carries the
 :class:`~moetrain.layout.Layout` the run executes under the planner's names ("layout"); the ``--world`` form prints,
 for every pipeline stage, the run's stage (items, parameters) beside the planner's prediction for the same stage,
-and rank 0's memory beside the planner's for pipeline rank 0 -- for ``--plan``, the prediction of that plan on its
-GPU.
+then for every pipeline rank the state one of its ranks holds beside the planner's memory of that rank, and the
+verdict on the GPU (:mod:`moetrain.train.fit`) -- for ``--plan``, the prediction of that plan, on its GPU unless
+``--gpu`` names another.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from moetrain.layout import Layout
 from moetrain.model.moe import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
-from moetrain.parallel.parallelize import local_tensor
+from moetrain.parallel.parallelize import local_tensor, parallelize
+from moetrain.train.fit import (DEFAULT_GPU, format_pipeline_ranks, pipeline_rank_rows, target_device, target_gpu,
+                                verdict)
 
 GiB = 2 ** 30
 
@@ -93,30 +96,35 @@ def job_plan(job: JobConfig, layout: Layout) -> Any:
     return trainer_plan(job.model, layout, job.train.micro_batch_size, job.train.grad_accum, job.data.seq_len)
 
 
-def predict_run(job: JobConfig, world: int, layout: Layout, plan: Any = None) -> Any:
-    """The performance model's prediction for this run: of ``plan`` (a ``PlanFile``: its own plan, on its GPU) when
-    the job came from one, else of the job's own plan on an H100. Returns the Prediction, or the error's text."""
+def predict_run(job: JobConfig, world: int, layout: Layout, plan: Any = None, gpu: str | None = None) -> Any:
+    """The performance model's prediction for this run: of ``plan`` (a ``PlanFile``: its own plan) when the job came
+    from one, else of the job's own plan; on ``gpu`` (a catalogue name), else the plan file's GPU, else an H100.
+    Returns the Prediction, or the error's text."""
     from moetrain.plan.model import predict
 
     try:
         if plan is not None:
-            return predict(plan.model or job.model, plan.gpu or "H100", world, plan.plan, _ignore_memory=True)
-        return predict(job.model, "H100", world, job_plan(job, layout), _ignore_memory=True)
+            return predict(plan.model or job.model, gpu or plan.gpu or DEFAULT_GPU, world, plan.plan,
+                           _ignore_memory=True)
+        return predict(job.model, gpu or DEFAULT_GPU, world, job_plan(job, layout), _ignore_memory=True)
     except Exception as e:  # noqa: BLE001 - the report says why instead of failing the dry run
         return str(e)
 
 
-def predicted_memory(job: JobConfig, world: int, device_type: str, pred: Any = None) -> dict[str, float] | None:
-    """The performance model's per-rank memory (GiB) for the plan this run executes (``pred`` if given, else the
-    job's own prediction); ``{"error": ...}`` if it cannot model it."""
+def predicted_memory(job: JobConfig, world: int, device_type: str, pred: Any = None,
+                     pp_rank: int | None = None) -> dict[str, Any] | None:
+    """The performance model's memory (GiB) of one rank of pipeline rank ``pp_rank`` (None: the heaviest, the one
+    the planner's verdict reads) for the plan this run executes (``pred`` if given, else the job's own prediction);
+    ``{"error": ...}`` if it cannot model it. ``"pp_rank"`` says which pipeline rank the numbers are."""
     if pred is None:
         pcfg = job.parallel.resolve(world, job.model.n_routed_experts)
         pred = predict_run(job, world, run_layout(job, pcfg, device_type))
     if isinstance(pred, str):
-        return {"error": pred}  # type: ignore[dict-item]
-    m = pred.memory
-    return {"params": m.weights + m.fp8_weights, "grads": m.gradients, "optimizer": m.optimizer,
-            "activations": m.activations}
+        return {"error": pred}
+    per_rank = pred.details.get("memory_breakdown_per_device_gib")
+    m = per_rank[pp_rank] if pp_rank is not None and per_rank else pred.memory.to_dict()
+    return {"params": m["weights"] + m["fp8_weights"], "grads": m["gradients"], "optimizer": m["optimizer"],
+            "activations": m["activations"], "pp_rank": pp_rank if pp_rank is not None else pred.memory.device}
 
 
 def rank_params(module: torch.nn.Module, ep: int) -> int:
@@ -127,6 +135,28 @@ def rank_params(module: torch.nn.Module, ep: int) -> int:
         own = sum(math.prod(p.shape) for p in mod.parameters(recurse=False))
         n += own // ep if isinstance(mod, GroupedExperts) else own
     return n
+
+
+def pipeline_rank_state(model: torch.nn.Module, ctx: ParallelContext) -> list[Any]:
+    """What one rank of every pipeline rank holds (:class:`RankMemory`, ``rank`` the global
+    rank of its first data-parallel member): each pipeline rank's stages are cut from the meta ``model`` and
+    FSDP-sharded with rank 0's mesh, whose data-parallel group has the same size as theirs, so the shard sizes are
+    those the ranks ``(pp, 0, 0)`` hold (the largest of their groups). Nothing is allocated."""
+    from moetrain.parallel.pipeline import build_stages
+
+    pcfg = ctx.pcfg
+    if pcfg.pp == 1:
+        parallelize(model, ctx)
+        return [rank_memory(model, ctx, measured=False)]
+    out = []
+    for r in range(pcfg.pp):
+        parts = build_stages(model, pcfg, r)
+        for part in parts:
+            parallelize(part, ctx)
+        row = rank_memory(torch.nn.ModuleList(parts), ctx, measured=False)
+        row.rank = r * pcfg.dp
+        out.append(row)
+    return out
 
 
 def stage_rows(job: JobConfig, pcfg: ParallelConfig, pred: Any) -> list[dict[str, Any]]:
@@ -161,23 +191,19 @@ def stage_rows(job: JobConfig, pcfg: ParallelConfig, pred: Any) -> list[dict[str
     return rows
 
 
-def format_stages(rows: list[dict[str, Any]], run_gib: float, pred: Any) -> str:
-    """The stage table of :func:`stage_rows`, then pipeline rank 0's state memory, run beside planner."""
+def format_stages(rows: list[dict[str, Any]]) -> str:
+    """The stage table of :func:`stage_rows`: the run's items and parameters beside the planner's, stage by stage."""
     lines = [f"{'stage':>5} {'pp rank':>7}  {'run items':<24} {'planned items':<24} {'run params':>15} "
              f"{'planned params':>15}"]
     for r in rows:
         plan_n = f"{r['plan_params']:>15,.0f}" if r["plan_params"] is not None else f"{'-':>15}"
         lines.append(f"{r['stage']:>5} {r['pp_rank']:>7}  {r['items']:<24} {r['plan_items'] or '-':<24} "
                      f"{r['params']:>15,} {plan_n}")
-    if not isinstance(pred, str):
-        state = pred.details.get("state_per_device_gib")
-        if state:
-            lines.append(f"pipeline rank 0 state (params, grads, optimizer): run {run_gib:.3f} GiB (fp32 masters, "
-                         f"grads and AdamW moments), planner {state[0]:.3f} GiB")
     return "\n".join(lines)
 
 
-def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: str) -> str:
+def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: str, heaviest: str = "") -> str:
+    """The per-rank table of held state beside the planner's row (``heaviest``: words after its pipeline rank)."""
     lines = [title,
              f"{'rank':>5} {'params held':>14} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
              f"{'state GiB':>10} {'peak GiB':>9}"]
@@ -188,8 +214,8 @@ def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: st
     if pred and "error" not in pred:
         state = pred["params"] + pred["grads"] + pred["optimizer"]
         lines.append(f"{'model':>5} {'':>14} {pred['params']:11.3f} {pred['grads']:10.3f} {pred['optimizer']:10.3f} "
-                     f"{state:10.3f} {'':>9}   <- performance model (moetrain plan), per rank; "
-                     f"+{pred['activations']:.3f} GiB activations in a step")
+                     f"{state:10.3f} {'':>9}   <- performance model (moetrain plan), one rank of pipeline rank "
+                     f"{pred['pp_rank']}{heaviest}; +{pred['activations']:.3f} GiB activations in a step")
     elif pred:
         lines.append(f"performance model: no prediction ({pred['error']})")
     return "\n".join(lines)
@@ -215,50 +241,52 @@ def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module)
         pred = predicted_memory(job, ctx.world_size, ctx.device.type)
         summary["predicted_gib"] = pred
         print(format_report(rows, pred, f"[moetrain] dry run: {job.preset} on {ctx.world_size} ranks "
-                                        f"({layout_label(ctx.pcfg)}), {ctx.device.type}; no step run"))
+                                        f"({layout_label(ctx.pcfg)}), {ctx.device.type}; no step run",
+                            " (the heaviest)" if ctx.pcfg.pp > 1 else ""))
         out = Path(job.train.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "dry_run.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def dry_run_world(job: JobConfig, world: int, plan: Any = None) -> dict[str, Any]:
-    """Set up rank 0 of a ``world``-rank layout on the fake process group, entirely on meta, and print its memory,
-    every pipeline stage beside the planner's prediction (of ``plan``, a ``PlanFile``, when the job came from one),
-    and write ``dry_run.json`` with the run's layout.
+def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None = None) -> dict[str, Any]:
+    """Set up a ``world``-rank layout on the fake process group, entirely on meta, and print rank 0's memory, every
+    pipeline stage beside the planner's prediction (of ``plan``, a ``PlanFile``, when the job came from one), every
+    pipeline rank's memory beside the planner's (the heaviest marked) and the verdict on ``gpu`` (a GPU catalogue
+    name; see :mod:`moetrain.train.fit`); write ``dry_run.json`` with the run's layout, the stages, the pipeline
+    ranks and the verdict (``"fits"``: true, false, or null when there is none).
 
     Raises:
-        ConfigError: the layout does not fit ``world`` or the model.
+        ConfigError: the layout does not fit ``world`` or the model; an unknown ``gpu``, or one with ``--device cpu``.
     """
     from moetrain.model.transformer import build_model
     from moetrain.parallel.mesh import fake_parallel
-    from moetrain.parallel.parallelize import parallelize
-
-    from moetrain.parallel.pipeline import build_stages, check_pipeline
+    from moetrain.parallel.pipeline import check_pipeline, local_stages
 
     check_pipeline(job.model, job.parallel, job.train.grad_accum)
+    device_type = target_device(job)
+    target = target_gpu(gpu, plan, device_type)
     ctx = fake_parallel(job.parallel, world, job.model.n_routed_experts)
     try:
         model = build_model(job.model, device="meta")
         total = sum(math.prod(p.shape) for p in model.parameters())
-        if ctx.pcfg.pp > 1:  # rank 0 holds the first pipeline rank's stages
-            parts = build_stages(model, ctx.pcfg, 0)
-            for part in parts:
-                parallelize(part, ctx)
-            model = torch.nn.ModuleList(parts)
-        else:
-            parallelize(model, ctx)
-        row = rank_memory(model, ctx, measured=False)
-        layout = run_layout(job, ctx.pcfg, "cuda" if job.train.device == "cuda" else "cpu")
-        prediction = predict_run(job, world, layout, plan)
-        pred = predicted_memory(job, world, "", prediction)
-        print(format_report([row], pred, f"[moetrain] dry run on meta: {job.preset} ({total:,} parameters) as rank "
-                                         f"0 of {world} ({layout_label(ctx.pcfg)}); nothing allocated, no "
-                                         f"process started"))
+        held = pipeline_rank_state(model, ctx)
+        layout = run_layout(job, ctx.pcfg, device_type)
+        prediction = predict_run(job, world, layout, plan, target.name if target else None)
+        pred = predicted_memory(job, world, "", prediction, pp_rank=0)
+        print(format_report([held[0]], pred, f"[moetrain] dry run on meta: {job.preset} ({total:,} parameters) as "
+                                              f"rank 0 of {world} ({layout_label(ctx.pcfg)}), {layout.precision} on "
+                                              f"{'GPUs' if device_type == 'cuda' else 'CPUs'}; nothing allocated, no "
+                                              f"process started"))
         stages = stage_rows(job, ctx.pcfg, prediction)
-        print(format_stages(stages, row.state_bytes / GiB, prediction))
-        summary = {"dry_run": True, "world": world, "ranks": [asdict(row)], "predicted_gib": pred,
-                   "total_params": total, "layout": layout.layout_dict(), "stages": stages}
+        print(format_stages(stages))
+        ranks = pipeline_rank_rows(held, prediction, [local_stages(ctx.pcfg, r) if ctx.pcfg.pp > 1 else [0]
+                                                      for r in range(ctx.pcfg.pp)])
+        fit = verdict(ranks, target, layout.precision)
+        print(format_pipeline_ranks(ranks, fit))
+        summary = {"dry_run": True, "world": world, "ranks": [asdict(held[0])], "predicted_gib": pred,
+                   "total_params": total, "layout": layout.layout_dict(), "stages": stages,
+                   "pipeline_ranks": ranks, "verdict": fit}
         out = Path(job.train.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "dry_run.json").write_text(json.dumps(summary, indent=2))

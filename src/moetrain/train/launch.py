@@ -229,17 +229,21 @@ def _failure_message(e: Any, job: JobConfig, log_sizes: dict[int, int] | None = 
 
 
 def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
-               plan: Any = None) -> dict[str, Any] | None:
+               plan: Any = None, gpu: str | None = None) -> dict[str, Any] | None:
     """Entry point of ``moetrain train``. Returns rank 0's summary (None on other torchrun ranks).
 
     ``dry_run``: all set-up, no step, a memory report per rank. ``world`` (with ``dry_run``): the report for rank 0 of
     a ``world``-rank layout, built on meta in this process (no data preparation, no workers). ``plan`` (a
     :class:`moetrain.train.from_plan.PlanFile`, with ``world``): the plan the job came from, whose prediction the
-    report sets beside the run, stage by stage.
+    report sets beside the run, stage by stage. ``gpu`` (with ``world``): the GPU catalogue name the layout is
+    predicted on and judged against (:mod:`moetrain.train.fit`).
 
     Raises:
         ConfigError: ``world`` without ``dry_run``, or a layout that does not fit.
     """
+    if gpu is not None and world is None:
+        raise ConfigError(f"--gpu {gpu} judges a --dry-run --world N layout against that GPU's memory; add "
+                          f"--dry-run --world N, or drop --gpu")
     if world is not None:
         if not dry_run:
             raise ConfigError("--world N describes a layout that does not exist here; it needs --dry-run")
@@ -247,7 +251,7 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
             raise ConfigError(f"--world {world} must be between 1 and {MAX_DRY_RUN_WORLD:,} (the device mesh of the "
                               f"layout is built in this process)")
         from moetrain.train.dryrun import dry_run_world
-        return dry_run_world(job, world, plan)
+        return dry_run_world(job, world, plan, gpu)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
         prep = preflight(job, world, dry_run)

@@ -281,6 +281,8 @@ def _details(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stages: lis
         "pp_p2p_exposed_per_microbatch_s": [
             sum(stage_p2p[i] for i in sts) / (2 if sched == "dualpipe" else 1) for sts in dev_stages],
         "memory_per_device_gib": [mb.total for mb in mems],
+        # the same per device, part by part (the dry run's verdict reads every pipeline rank's activations)
+        "memory_breakdown_per_device_gib": [mb.to_dict() for mb in mems],
         "efficiency": c.eff.to_dict(),
     }
 
