@@ -220,7 +220,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if prep.sources:
         _print_mixture(job, prep)
     print(f"data cache: {prep.data_dir}")
-    print("moetrain train with the same --preset/--config/--set data.*/--data/--tokenizer options reuses it")
+    print("moetrain train with the same --preset/--config/--set data.*/--data/--source/--tokenizer options reuses it")
     return 0
 
 
@@ -238,9 +238,9 @@ def _print_mixture(job: Any, prep: Any) -> None:
     for r in rows:
         print(f"{r['label']:<{width}}  {r['docs']:>8,}  {r['train_tokens']:>13,}  {r['val_tokens']:>10,}  "
               f"{r['token_share']:>9.1%}  {r['weight']:>6.1%}  {r['share']:>8.1%}  {r['epochs']:>6.2f}")
-    print(f"realised: the share of the first {n:,} training sequences (train.steps={tc.steps} x micro-batch "
-          f"{tc.micro_batch_size} x grad_accum {tc.grad_accum}, per data-parallel rank) drawn from each source; "
-          f"epochs: how often that reads the source")
+    print(f"realised: each source's share of the first {n:,} training sequences (train.steps={tc.steps} x "
+          f"micro-batch {tc.micro_batch_size} x grad_accum {tc.grad_accum}, one data-parallel rank's worth; N ranks "
+          f"read N times as many); epochs: how often those sequences read the source")
 
 
 def _cmd_train_or_help(args: argparse.Namespace) -> int:

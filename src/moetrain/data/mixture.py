@@ -185,7 +185,7 @@ class MixtureLoader:
                              "settings") from e
         if len(taken) != len(self.weights):
             raise ValueError(f"loader state is of a mixture of {len(taken)} sources, this run has "
-                             f"{len(self.weights)}; resume with the run's data.sources")
+                             f"{len(self.weights)} sources; resume with the run's data.sources")
         if strict:
             for name, mine in (("seq_len", self.seq_len), ("seed", self.seed), ("weights", self.weights),
                                ("n_windows", self.n_windows)):
