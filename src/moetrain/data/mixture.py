@@ -191,8 +191,8 @@ class MixtureLoader:
                                ("n_windows", self.n_windows)):
                 if name in state and state[name] != mine:
                     raise ValueError(f"loader state was saved with {name}={state[name]!r} but this run has "
-                                     f"{name}={mine!r}; resuming would not continue the same mixture (keep "
-                                     "data.sources' weights and the data as they were, or pass strict=False)")
+                                     f"{name}={mine!r}; resuming would not continue the same mixture "
+                                     "(load_state_dict(state, strict=False) accepts it anyway)")
         if position < 0 or min(taken) < 0 or sum(taken) != position:
             raise ValueError(f"invalid mixture state position={position}, taken={taken}")
         self.position, self.taken = position, np.asarray(taken, dtype=np.int64)

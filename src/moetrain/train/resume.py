@@ -105,7 +105,9 @@ def check_same_stream(ckpt: Path, state: dict[str, Any], prep: PreparedData, job
     try:
         loader.load_state_dict(saved)
     except ValueError as e:
-        raise ConfigError(f"cannot resume {ckpt}: {e}") from None
+        reason = str(e).split("; ")[0]  # the loader's own advice is for its Python callers
+        raise ConfigError(f"cannot resume {ckpt}: {reason}; resume with the run's data settings (data.sources, "
+                          f"their weights, data.seed), or start a new run with another --out") from None
 
 
 def data_fingerprint(prep: PreparedData) -> dict[str, Any]:
