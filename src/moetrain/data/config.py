@@ -148,12 +148,12 @@ class DataConfig:
         eos_token: end-of-document token of an existing ``tokenizer`` when none of the known ones
             (``<｜end▁of▁sentence｜>``, ``<|endoftext|>``, ``</s>``) is in its vocabulary; None = detect.
         sources: a weighted mixture of sources instead of ``paths``: ``[[data.sources]]`` tables in a job file
-            (fields of :class:`DataSource`: path or name, weight, split, text_field, config, streaming), or compact
+            (keys: path or name, weight, split, text_field, config, streaming; see DataSource), or compact
             strings ``"GLOB_OR_DIR,weight=2"`` / ``"hub:NAME,weight=1"`` (``--source SPEC``). Each source is
             tokenised into its own shards with one shared tokenizer; training draws windows from them by weight,
             deterministically and resumably. Empty = ``paths`` (or the built-in corpus).
-        hf_cache_dir: the Hugging Face datasets cache that ``data.sources`` ``name`` entries are read from (and a
-            datasets folder's Arrow copy is written to); None = ``datasets``' default (``HF_DATASETS_CACHE``).
+        hf_cache_dir: the Hugging Face datasets cache that ``data.sources`` ``name`` entries are read from; None =
+            ``datasets``' default (``HF_DATASETS_CACHE``, ``~/.cache/huggingface/datasets``).
     """
 
     paths: list[str] = field(default_factory=list)
