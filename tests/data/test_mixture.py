@@ -64,6 +64,10 @@ def test_batches_are_windows_of_the_scheduled_source():
         order = ld.window_order(s, 0)
         assert first_epoch == order[:len(first_epoch)].tolist()
     assert ld.state_dict()["taken"] == np.bincount(src_expected, minlength=2).tolist()
+    same, other = MixtureLoader(toks, [2.0, 1.0], L, 6, seed=3), MixtureLoader(toks, [2.0, 1.0], L, 6, seed=4)
+    first = [(same.next_batch()[0], other.next_batch()[0]) for _ in range(10)]
+    assert [_ident(a) for a, _ in first] == [seen[6 * b: 6 * b + 6] for b in range(10)]  # same seed, same stream
+    assert [_ident(b) for _, b in first] != [_ident(a) for a, _ in first]
 
 
 def test_a_small_source_repeats_reshuffled_each_epoch():
