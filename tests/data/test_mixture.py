@@ -258,3 +258,13 @@ def test_prepare_command_prints_each_source_and_the_realised_mixture(tmp_path, c
     assert "first 40 training sequences" in out
     assert main(["prepare", "--source", f"{tmp_path}/a.jsonl,weight=-1"]) == 2
     assert "data.sources[0]" in capsys.readouterr().err
+
+
+def test_a_source_without_text_is_named(tmp_path):
+    _write_jsonl(tmp_path / "a.jsonl", "alpha", 10)
+    (tmp_path / "b.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    cfg = DataConfig(sources=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], vocab_size=300,
+                     cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"^data.sources\[1\] \(.*b.jsonl\): the corpus has no non-empty documents"):
+        prepare_data(cfg, QUIET)
+    assert not list((tmp_path / "cache").glob("mix-*/"))  # no half-built preparation is left

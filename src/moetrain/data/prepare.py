@@ -321,8 +321,13 @@ def _write_mixture(cfg: DataConfig, opened: list[OpenSource], given: Tokenizer |
         sub = d / f"source-{o.index}"
         extra = {"cache_key": key, "source": o.label, "tokenizer": tok_key, "eos_token": tokenizer.eos_token}
         with progress.phase(f"tokenising {o.label}", total=o.n_bytes) as update:
-            info = write_shards(o.documents(), tokenizer, sub, val_fraction=cfg.val_fraction, seed=cfg.seed,
-                                sources=[o.identity], extra_meta=extra, on_progress=update)
+            try:
+                info = write_shards(o.documents(), tokenizer, sub, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                                    sources=[o.identity], extra_meta=extra, on_progress=update)
+            except DataError as e:
+                if str(e).startswith("data.sources["):
+                    raise
+                raise DataError(f"data.sources[{o.index}] ({o.label}): {e}") from None
         entries.append({"dir": sub.name, "label": o.label, "n_train_tokens": info.n_train_tokens,
                         "n_val_tokens": info.n_val_tokens})
     tmp = d / f"val.bin.{os.getpid()}.tmp"
