@@ -79,6 +79,15 @@ def test_jsonl_folder(tmp_path):
     assert _read(DataConfig(sources=[{"path": str(d)}], hf_cache_dir=str(tmp_path / "c"))) == [_docs("j", 7)]
 
 
+def test_folder_of_arrow_files(tmp_path):
+    datasets.Dataset.from_dict({"text": _docs("ar", 9)}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "ar").mkdir()
+    for f in (tmp_path / "saved").glob("*.arrow"):  # the Arrow files alone, without save_to_disk's state.json
+        shutil.copy(f, tmp_path / "ar" / "train.arrow")
+    assert _read(DataConfig(sources=[{"path": str(tmp_path / "ar")}], hf_cache_dir=str(tmp_path / "c"))) == [
+        _docs("ar", 9)]
+
+
 def test_hub_cache_by_name_offline_loaded_or_streamed(hub_cache, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no folder 'tinyhub' here: the name can only come from the cache
     for streaming in (False, True):
