@@ -79,6 +79,9 @@ def _adversarial(tp: typing.Any, i: int) -> typing.Any:
         return NASTY_STRINGS[i % len(NASTY_STRINGS)]
     if origin in (list, tuple):
         return [_adversarial(args[0], i + j) for j in range(3)]
+    if dataclasses.is_dataclass(tp):  # the tables of a list (data.sources)
+        hints = typing.get_type_hints(tp)
+        return {f.name: _adversarial(hints[f.name], i + k) for k, f in enumerate(dataclasses.fields(tp))}
     if isinstance(tp, type) and issubclass(tp, enum.Enum):  # a closed set of names (moetrain.layout): plain strings
         return list(tp)[i % len(tp)].value
     raise AssertionError(f"config field type {tp!r} has no test value: extend the writer's test")

@@ -68,6 +68,12 @@ def add_job_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", action="append", metavar="GLOB", help="training text: files or globs (.txt, .jsonl, "
                     ".parquet), repeatable (--set data.paths='[\"GLOB\", ...]'; default: the built-in corpus, the "
                     "Python standard library sources)")
+    ap.add_argument("--source", action="append", metavar="SPEC", help="one source of a weighted mixture, "
+                    "repeatable: a file, glob or Hugging Face datasets folder, or hub:NAME (a dataset in the local "
+                    "datasets cache), then ,KEY=VALUE items: weight, split, text_field, config, streaming; e.g. "
+                    "--source 'web/*.parquet,weight=3' --source 'hub:wikitext,config=wikitext-2-raw-v1,weight=1' "
+                    "(--set data.sources='[\"SPEC\", ...]' or [[data.sources]] tables in --config; default: none, "
+                    "the --data files)")
     ap.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json; its size sets model.vocab_size "
                     "unless that is set (--set data.tokenizer=\"FILE\"; default: train a byte-level BPE of "
                     "data.vocab_size tokens, the preset's vocabulary)")
@@ -155,6 +161,8 @@ def _sets_from_args(args: argparse.Namespace) -> list[str]:
         sets.append(f"data.paths={json.dumps(args.data)}")
     if args.tokenizer:
         sets.append(f"data.tokenizer={json.dumps(args.tokenizer)}")
+    if args.source:
+        sets.append(f"data.sources={json.dumps(args.source)}")
     for flag, key in (("steps", "train.steps"), ("ep", "parallel.ep"), ("pp", "parallel.pp"),
                       ("nproc", "train.nproc")):
         if getattr(args, flag, None) is not None:
@@ -214,9 +222,30 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     prep = prepare_data(job.data)
     print(f"{'reused' if prep.reused else 'prepared'}: {prep.n_train_tokens:,} training + {prep.n_val_tokens:,} "
           f"validation tokens, tokenizer of {prep.vocab_size:,} tokens")
+    if prep.sources:
+        _print_mixture(job, prep)
     print(f"data cache: {prep.data_dir}")
-    print("moetrain train with the same --preset/--config/--set data.*/--data/--tokenizer options reuses it")
+    print("moetrain train with the same --preset/--config/--set data.*/--data/--source/--tokenizer options reuses it")
     return 0
+
+
+def _print_mixture(job: Any, prep: Any) -> None:
+    """``moetrain prepare``'s table of a mixture: each source's tokens, its weight, and the share of the first
+    train.steps steps' sequences (one data-parallel rank's worth: every rank takes as many) it gives."""
+    from moetrain.data import mixture_report
+
+    tc = job.train
+    n = tc.steps * tc.micro_batch_size * tc.grad_accum
+    rows = mixture_report(prep, job.data.seq_len, n, job.data.seed)
+    width = max(12, *(len(r["label"]) for r in rows))
+    print(f"{'source':<{width}}  {'docs':>8}  {'train tokens':>13}  {'val tokens':>10}  {'of tokens':>9}  "
+          f"{'weight':>6}  {'realised':>8}  {'epochs':>6}")
+    for r in rows:
+        print(f"{r['label']:<{width}}  {r['docs']:>8,}  {r['train_tokens']:>13,}  {r['val_tokens']:>10,}  "
+              f"{r['token_share']:>9.1%}  {r['weight']:>6.1%}  {r['share']:>8.1%}  {r['epochs']:>6.2f}")
+    print(f"realised: each source's share of the first {n:,} training sequences (train.steps={tc.steps} x "
+          f"micro-batch {tc.micro_batch_size} x grad_accum {tc.grad_accum}, one data-parallel rank's worth; N ranks "
+          f"read N times as many); epochs: how often those sequences read the source")
 
 
 def _cmd_train_or_help(args: argparse.Namespace) -> int:

@@ -364,6 +364,8 @@ def save_job_config(job: JobConfig, path: str | Path) -> Path:
         from moetrain.toml_write import dumps
 
         def drop_none(x: Any) -> Any:  # TOML has no null: an absent key means the default (None)
+            if isinstance(x, list):  # data.sources: a list of tables
+                return [drop_none(v) for v in x]
             return {k: drop_none(v) for k, v in x.items() if v is not None} if isinstance(x, dict) else x
         p.write_text(dumps(drop_none(d)), encoding="utf-8")
     else:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+# No test reaches the network: a hub dataset is read from a datasets cache the test builds (before any import of it).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 _SRC = Path(__file__).resolve().parents[2] / "src"
 try:
     import moetrain.data  # noqa: F401

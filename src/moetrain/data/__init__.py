@@ -10,21 +10,28 @@ Typical use::
     state = loader.state_dict()                   # {"epoch": ..., "position": ..., ...}; load_state_dict(state)
 
 With ``DataConfig()`` (no paths) the built-in corpus - the Python standard library's ``.py`` sources - is used and
-a 4096-token byte-level BPE is trained on it.
+a 4096-token byte-level BPE is trained on it. With ``DataConfig(sources=[...])`` (:class:`DataSource`: files,
+Hugging Face ``datasets`` folders or hub-cache names, each with a weight) every source gets its own shards and
+:func:`train_loader` draws from them by weight (:class:`MixtureLoader`).
 """
 
-from .config import DataConfig
+from .config import DataConfig, DataSource, parse_source_spec
 from .corpus import DataError, builtin_corpus_paths, check_sources, iter_documents, resolve_paths, source_kind
 from .loader import TokenLoader, count_windows, iter_eval_batches
-from .prepare import PreparedData, prepare_data
+from .mixture import Loader, MixtureLoader, mixture_counts, mixture_report, mixture_schedule, train_loader
+from .prepare import PreparedData, PreparedSource, prepare_data
 from .shards import ShardInfo, doc_split, load_tokens, read_meta, token_dtype, write_shards
 from .tokenizer import EOS_CANDIDATES, Tokenizer, load_tokenizer, train_bpe
 
 __all__ = [
     "DataConfig",
     "DataError",
+    "DataSource",
     "EOS_CANDIDATES",
+    "Loader",
+    "MixtureLoader",
     "PreparedData",
+    "PreparedSource",
     "ShardInfo",
     "TokenLoader",
     "Tokenizer",
@@ -36,11 +43,16 @@ __all__ = [
     "iter_eval_batches",
     "load_tokenizer",
     "load_tokens",
+    "mixture_counts",
+    "mixture_report",
+    "mixture_schedule",
+    "parse_source_spec",
     "prepare_data",
     "read_meta",
     "resolve_paths",
     "source_kind",
     "token_dtype",
     "train_bpe",
+    "train_loader",
     "write_shards",
 ]

@@ -143,7 +143,8 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
         if os.path.exists(s):
             if os.path.isdir(s):
                 raise DataError(f"data path {os.fspath(pat)!r} is a directory; give files or a glob pattern such "
-                                f"as {os.path.join(s, '**', '*.jsonl')!r}")
+                                f"as {os.path.join(s, '**', '*.jsonl')!r}, or read a Hugging Face datasets folder "
+                                f"with --source {os.fspath(pat)!r} (data.sources)")
             files = [s]
         elif _has_magic(s):
             files = [m for m in sorted(glob.glob(s, recursive=True)) if os.path.isfile(m)]

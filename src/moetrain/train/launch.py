@@ -34,7 +34,8 @@ from moetrain.parallel.hang import last_stall
 from moetrain.errors import CheckpointError
 from moetrain.train.checkpoint import latest_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.stopping import StopRequest, clear_stop_file
-from moetrain.train.resume import check_same_data, check_same_tokenizer_file, check_schedule_unchanged
+from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
+                                   check_schedule_unchanged)
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -157,6 +158,7 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
     prep = prepare_data(job.data)
     if state is not None:
         check_same_data(ckpt, state, prep, job)
+        check_same_stream(ckpt, state, prep, job)
     if prep.vocab_size > job.model.vocab_size:
         raise ConfigError(f"the tokenizer has {prep.vocab_size} tokens but model.vocab_size is "
                           f"{job.model.vocab_size}; set model.vocab_size >= {prep.vocab_size} or use a smaller "

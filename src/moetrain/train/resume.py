@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.config import JobConfig
+from moetrain.data.mixture import train_loader
 from moetrain.data.prepare import PreparedData
 from moetrain.data.tokenizer import file_sha256
 from moetrain.model.config import ConfigError
@@ -87,6 +88,26 @@ def check_same_data(ckpt: Path, state: dict[str, Any], prep: PreparedData, job: 
             f"{ckpt} was trained on other data (prepared data {data['data_key']}, now {key}: the sources, their "
             f"sizes or modification times, or data.text_field changed); resume with the same data, or start a new "
             f"run with another --out")
+
+
+def check_same_stream(ckpt: Path, state: dict[str, Any], prep: PreparedData, job: JobConfig) -> None:
+    """Refuse, before any worker starts, a resume whose saved loader state does not continue this data's stream
+    (another sequence length or seed, a mixture whose sources or weights changed, a mixture resumed on
+    ``data.paths`` or the reverse): the loader's own check, run on a loader of this data.
+
+    Raises:
+        ConfigError: the loader's reason, naming the checkpoint.
+    """
+    saved = state.get("loader")
+    if not saved:
+        return
+    loader = train_loader(prep, job.data.seq_len, 1, seed=job.data.seed)
+    try:
+        loader.load_state_dict(saved)
+    except ValueError as e:
+        reason = str(e).split("; ")[0]  # the loader's own advice is for its Python callers
+        raise ConfigError(f"cannot resume {ckpt}: {reason}; resume with the run's data settings (data.sources, "
+                          f"their weights, data.seed), or start a new run with another --out") from None
 
 
 def data_fingerprint(prep: PreparedData) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from moetrain.accounting import flops_per_token
 from moetrain.config import JobConfig, save_job_config
-from moetrain.data import TokenLoader, iter_eval_batches
+from moetrain.data import Loader, iter_eval_batches, train_loader
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.config import TRAINING_FIELDS
@@ -197,7 +197,7 @@ def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | N
     return ModelParts(parts, objective, runner, group, sync)
 
 
-def _resume(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: Any, loader: TokenLoader,
+def _resume(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: Any, loader: Loader,
             resume_from: Path | None) -> tuple[int, Path | None]:
     """With ``train.resume``: load ``resume_from`` (the newest complete checkpoint, or None: start fresh) into the
     parts, optimizer and loader. Returns (steps done, the checkpoint)."""
@@ -241,7 +241,7 @@ def _announce(job: JobConfig, ctx: ParallelContext, model: ModelParts, sink: Met
 
 
 def _callbacks(job: JobConfig, prep: PreparedData, ctx: ParallelContext, model: ModelParts, optimizer: Any,
-               loader: TokenLoader, stop: StopRequest, report_stop: bool, amp: torch.dtype | None,
+               loader: Loader, stop: StopRequest, report_stop: bool, amp: torch.dtype | None,
                peak_tflops: float) -> list[Callback]:
     """The loop's callbacks, in the order they run: the loss check, step metrics, evaluation, stop signals,
     checkpoints, profiling."""
@@ -261,7 +261,7 @@ def _callbacks(job: JobConfig, prep: PreparedData, ctx: ParallelContext, model: 
     ]
 
 
-def _fit(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: Any, loader: TokenLoader,
+def _fit(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: Any, loader: Loader,
          amp: torch.dtype | None, loop: LoopState, callbacks: list[Callback], progress: dict[str, Any]) -> None:
     """The training loop: learning rate, batches and one step each iteration; the rest is the callbacks'."""
     tc = job.train
@@ -320,8 +320,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     if dry_run:
         from moetrain.train.dryrun import report_dry_run
         return report_dry_run(job, ctx, model.parts[0] if len(model.parts) == 1 else torch.nn.ModuleList(model.parts))
-    loader = TokenLoader(prep.train_path, job.data.seq_len, tc.micro_batch_size, ctx.data_rank, ctx.stage_size,
-                         seed=job.data.seed)
+    loader = train_loader(prep, job.data.seq_len, tc.micro_batch_size, ctx.data_rank, ctx.stage_size,
+                          seed=job.data.seed)  # a MixtureLoader for data.sources
     start_step, last_ckpt = _resume(job, ctx, model, optimizer, loader, resume_from)
     sink = MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step) if ctx.is_main else NullSink()
     if ctx.is_main:
