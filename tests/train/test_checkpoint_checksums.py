@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,18 @@ def test_dcp_exceptions_are_recorded_like_any_failure(tmp_path):
     failure = record_failure(err, str(tmp_path), 0, None)
     assert str(failure).startswith("rank 0 during set-up: RuntimeError: PytorchStreamReader failed reading zip")
     assert "\n" not in str(failure) and (tmp_path / "logs" / "rank-0.log").is_file()
+
+
+def test_the_trainer_reports_a_dcp_exception_as_a_worker_failure(tmp_path, monkeypatch):
+    from moetrain.train import trainer
+    from moetrain.train.stopping import WorkerFailure
+
+    def fails(*a, **k):
+        raise CheckpointException("load failed", {0: (RuntimeError("PytorchStreamReader failed\nmore"), None)})
+    monkeypatch.setattr(trainer, "_run", fails)
+    job = replace(JobConfig(), parallel=ParallelConfig(ep=1))
+    job.train.out_dir = str(tmp_path)
+    with pytest.raises(WorkerFailure, match="rank 0 during set-up: RuntimeError: PytorchStreamReader failed; "
+                                            "traceback in"):
+        trainer.run(job, None)
+    assert "CheckpointException" in (tmp_path / "logs" / "rank-0.log").read_text()

@@ -312,7 +312,8 @@ def _read_error(e: BaseException, path: Path) -> CheckpointError:
     (resuming it again would fail the same way)."""
     cause = _first_failure(e)
     msg = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-    msg = msg if len(msg) <= 160 else msg[:157] + "..."  # torch's unpickling advice that follows is not for this
+    if len(msg) > 120:  # the first sentence: torch's advice after it (weights_only=False ...) is not for this
+        msg = msg.split(". ")[0]
     aside = path.with_name(f"damaged-{path.name}")
     return CheckpointError(f"checkpoint {path} cannot be read ({type(cause).__name__}: {msg}); it is damaged: move "
                            f"it aside (mv {path} {aside}) and rerun with --resume to continue from the checkpoint "

@@ -14,8 +14,9 @@ while the page cache is hot (:func:`manifest_of`).
     {"algorithm": "sha256", "files": {"__0_0.distcp": {"bytes": 1234, "sha256": "ab..."}, ".metadata": {...},
                                       "trainer_state.json": {...}}}
 
-SHA-256: hashlib's fastest hash on CPUs with SHA extensions (x86 since 2017, every ARMv8.2 server), about twice
-blake2b there; cost per checkpoint in BENCHMARKS.md.
+SHA-256: hashlib's fastest hash on CPUs with SHA extensions (x86 since 2017, ARMv8 servers), about twice blake2b
+there. It runs in the writer's thread, so a save takes longer by about the checkpoint's bytes over one core's
+SHA-256 rate; every rank hashes its own files.
 """
 
 from __future__ import annotations
