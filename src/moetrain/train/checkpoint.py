@@ -7,8 +7,10 @@ Layout of ``<run>/checkpoints``::
     .tmp-step_00000100/       a save in progress or interrupted: never read, removed by the next save
 
 Atomicity: every rank writes into the temporary directory; after a barrier rank 0 writes ``trainer_state.json``, the
-files' checksums (hashed while DCP wrote them: :mod:`moetrain.train.checksums`) and the ``COMPLETE`` marker, then renames the directory (an atomic rename on POSIX). A crash at any moment leaves the
-newest *complete* checkpoint untouched, and "latest" is simply the highest-numbered directory with a marker.
+files' checksums (hashed while DCP wrote them: :mod:`moetrain.train.checksums`) and the ``COMPLETE`` marker, then
+renames the directory (an atomic rename on POSIX). A crash at any moment leaves the newest *complete* checkpoint
+untouched, and "latest" is simply the highest-numbered directory with a marker. Resume and export read every byte
+against the checksums first (:func:`verify_checkpoint`).
 
 Resharding without gathering: every weight and optimizer state is saved as what it is -- a DTensor (FSDP2 shards,
 and routed experts sharded on the expert dim over EP and on dim 1 over DP) or a plain tensor in one process -- under
