@@ -146,6 +146,29 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
     assert (out / "checkpoints" / f"damaged-{newest.name}").is_dir() and (previous / "COMPLETE").is_file()
 
 
+def test_same_size_corruption_of_the_newest_checkpoint_is_skipped(uninterrupted, cache, tmp_path):
+    """4 KiB XOR-ed inside the biggest file (the size stays): the checksums catch it before DCP reads garbage."""
+    full_out, _ = uninterrupted
+    out = tmp_path / "flipped"
+    shutil.copytree(full_out, out)
+    ckpts = sorted((out / "checkpoints").glob("step_*"))
+    newest, previous = ckpts[-1], ckpts[-2]
+    big = max(newest.iterdir(), key=lambda f: f.stat().st_size)
+    data = bytearray(big.read_bytes())
+    at = len(data) // 3
+    data[at:at + 4096] = bytes(b ^ 0x5A for b in data[at:at + 4096])
+    big.write_bytes(bytes(data))
+    p = subprocess.run(_cmd(out, cache, "--resume"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = next(l for l in p.stdout.splitlines() if f"skipping checkpoint {newest.name}" in l)
+    assert big.name in line and "does not match its checksum" in line, line
+    assert "Traceback" not in p.stdout + p.stderr
+    start = int(previous.name.split("_")[1])
+    assert f"resumed from step {start} of {out}" in p.stdout, p.stdout
+    got, want = _losses(out), _losses(full_out)
+    assert [got[s] for s in range(start + 1, STEPS + 1)] == [want[s] for s in range(start + 1, STEPS + 1)]
+
+
 def _wait_for_step(out: Path, step: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 300
     while True:

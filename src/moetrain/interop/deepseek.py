@@ -37,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from moetrain.interop.adapter import StackedEntry, StateDictAdapter, StateMap, TensorEntry, indexed
+from moetrain.interop.hf_config import HFConfigReader
 from moetrain.model.config import TRAINING_FIELDS, ConfigError, ModelConfig
 from moetrain.model.moe import MoE
 
@@ -44,6 +45,11 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 #: Key of the block in ``config.json`` that carries moetrain fields the HF config has no name for (training
 #: coefficients, and the YaRN parameters of a model without YaRN) so that configs round-trip exactly.
 EXTRA_KEY = "moetrain"
+#: The keys without which config.json does not describe a model (transformers would fill them with DeepSeek-V3
+#: 671B's sizes; a config missing one is refused rather than read as another model).
+ARCH_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+             "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+             "v_head_dim")
 _YARN_FIELDS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim", "rope_original_seq_len")
 
 
@@ -66,22 +72,24 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     A ``"moetrain"`` block (written by :func:`config_to_hf`) restores the fields HF has no name for.
 
     Raises:
-        ConfigError: unsupported ``model_type``, RoPE type, activation, MoE layer frequency, attention bias or
-            V2 ``group_limited_greedy`` routing with several groups (its group score is the max, not a top-2 sum);
-            and every inconsistency :class:`ModelConfig` itself rejects.
+        ConfigError: a missing :data:`ARCH_KEYS` key or a value of the wrong JSON type (naming the key and the type,
+            :class:`~moetrain.interop.hf_config.HFConfigReader`); unsupported ``model_type``, RoPE type,
+            activation, MoE layer frequency, attention bias or V2 ``group_limited_greedy`` routing with several
+            groups (its group score is the max, not a top-2 sum); and every inconsistency :class:`ModelConfig`
+            itself rejects.
     """
-    if not isinstance(d, dict):
-        raise ConfigError(f"expected a config dict, got {type(d).__name__}")
-    model_type = d.get("model_type")
+    r = HFConfigReader(d)
+    model_type = r.get("model_type", str, None)
     if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model_type={model_type!r} is not supported; moetrain reads {list(SUPPORTED_MODEL_TYPES)}"
                           " (DeepSeek-V3 / DeepSeek-V2 architectures)")
     is_v2 = model_type == "deepseek_v2"
+    r.require(ARCH_KEYS, "the DeepSeek architecture")
     out: dict[str, Any] = {}
 
-    def take(hf_key: str, name: str, conv=lambda v: v) -> None:
-        if d.get(hf_key) is not None:
-            out[name] = conv(d[hf_key])
+    def take(hf_key: str, name: str, tp: type) -> None:
+        if r.has(hf_key):
+            out[name] = r.get(hf_key, tp)
 
     take("vocab_size", "vocab_size", int)
     take("hidden_size", "dim", int)
@@ -104,12 +112,12 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     take("initializer_range", "init_std", float)
     take("rope_interleave", "rope_interleave", bool)
     take("tie_word_embeddings", "tie_embeddings", bool)
-    out["q_lora_rank"] = int(d["q_lora_rank"]) if d.get("q_lora_rank") is not None else 0
-    out["mtp_depth"] = int(d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0)
-    out["score_func"] = d.get("scoring_func") or ("softmax" if is_v2 else "sigmoid")
-    n_group = int(d.get("n_group") or 1)
-    topk_group = int(d.get("topk_group") or 1)
-    topk_method = d.get("topk_method")
+    out["q_lora_rank"] = r.get("q_lora_rank", int, 0)
+    out["mtp_depth"] = r.get("num_nextn_predict_layers", int, 0) or r.get("num_mtp_layers", int, 0)
+    out["score_func"] = r.get("scoring_func", str, None) or ("softmax" if is_v2 else "sigmoid")
+    n_group = r.get("n_group", int, 1)
+    topk_group = r.get("topk_group", int, 1)
+    topk_method = r.get("topk_method", str, None)
     if is_v2 and topk_method in (None, "greedy"):
         n_group = topk_group = 1  # HF/DeepSeek V2 "greedy" ignores the groups
     elif is_v2 and topk_method == "group_limited_greedy" and n_group > 1:
@@ -119,60 +127,60 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if is_v2:
         out["bias_update_rate"] = 0.0  # V2 has no expert-bias (aux-loss-free) balancing
 
-    act = d.get("hidden_act", "silu")
+    act = r.get("hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r}; moetrain's FFNs are SwiGLU, allowed: 'silu'")
-    if d.get("attention_bias"):
+    if r.get("attention_bias", bool, False):
         raise ConfigError("attention_bias=True is not supported (MLA projections have no bias)")
-    if (d.get("moe_layer_freq") or 1) != 1:
+    if r.get("moe_layer_freq", int, 1) != 1:
         raise ConfigError(f"moe_layer_freq={d['moe_layer_freq']}; moetrain supports only 1 (every layer after the "
                           "first_k_dense_replace dense ones is MoE)")
 
     # --- RoPE ---------------------------------------------------------------------------------------------------
-    rp = d.get("rope_parameters")
-    if not isinstance(rp, dict) or not rp:
-        rp = d.get("rope_scaling") if isinstance(d.get("rope_scaling"), dict) else {}
-    theta = rp.get("rope_theta") if rp.get("rope_theta") is not None else d.get("rope_theta")
+    rp = r.block("rope_parameters")
+    if not rp.d:
+        rp = r.block("rope_scaling")
+    theta = rp.get("rope_theta", float, None)
+    theta = theta if theta is not None else r.get("rope_theta", float, None)
     if theta is not None:
-        out["rope_theta"] = float(theta)
-    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+        out["rope_theta"] = theta
+    rope_type = rp.get("rope_type", str, None) or rp.get("type", str, None) or "default"
     if rope_type == "default":
         out["rope_factor"] = 1.0
     elif rope_type == "yarn":
-        max_pos = int(d.get("max_position_embeddings") or ModelConfig.max_seq_len)
-        orig = rp.get("original_max_position_embeddings") or d.get("original_max_position_embeddings") or max_pos
-        factor = rp.get("factor")
-        factor = float(factor) if factor is not None else max_pos / orig
+        max_pos = r.get("max_position_embeddings", int, ModelConfig.max_seq_len)
+        orig = (rp.get("original_max_position_embeddings", int, None)
+                or r.get("original_max_position_embeddings", int, None) or max_pos)
+        factor = rp.get("factor", float, None)
+        factor = factor if factor is not None else max_pos / orig
         out["rope_factor"] = factor
-        out["rope_original_seq_len"] = int(orig)
-        out["rope_beta_fast"] = float(rp.get("beta_fast") or 32.0)
-        out["rope_beta_slow"] = float(rp.get("beta_slow") or 1.0)
-        mscale, mscale_all = rp.get("mscale"), rp.get("mscale_all_dim")
-        out["rope_mscale"] = float(mscale) if mscale is not None else 1.0
-        out["rope_mscale_all_dim"] = float(mscale_all) if mscale_all is not None else 0.0
+        out["rope_original_seq_len"] = orig
+        out["rope_beta_fast"] = rp.get("beta_fast", float, None) or 32.0
+        out["rope_beta_slow"] = rp.get("beta_slow", float, None) or 1.0
+        mscale, mscale_all = rp.get("mscale", float, None), rp.get("mscale_all_dim", float, None)
+        out["rope_mscale"] = mscale if mscale is not None else 1.0
+        out["rope_mscale_all_dim"] = mscale_all if mscale_all is not None else 0.0
         # HF/YaRN scale cos and sin by attention_factor: given, else mscale(f, mscale)/mscale(f, mscale_all_dim)
         # when both are set, else mscale(f, 1). moetrain applies the ratio only when both are set, otherwise 1.
         if mscale and mscale_all:
             hf_attn = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
         else:
             hf_attn = _yarn_mscale(factor, 1.0)
-        if rp.get("attention_factor") is not None:
-            hf_attn = float(rp["attention_factor"])
+        if rp.has("attention_factor"):
+            hf_attn = rp.get("attention_factor", float)
         ours = (_yarn_mscale(factor, out["rope_mscale"]) / _yarn_mscale(factor, out["rope_mscale_all_dim"])
                 if out["rope_mscale"] and out["rope_mscale_all_dim"] else 1.0)
         if factor > 1 and abs(hf_attn - ours) > 1e-12:
             warnings.warn(f"YaRN attention factor {hf_attn:.6g} of this HF config (mscale={mscale}, mscale_all_dim="
-                          f"{mscale_all}, attention_factor={rp.get('attention_factor')}) is not representable; "
+                          f"{mscale_all}, attention_factor={rp.d.get('attention_factor')}) is not representable; "
                           f"moetrain will scale cos/sin by {ours:.6g}", stacklevel=2)
-        if rp.get("truncate") is False:
+        if rp.get("truncate", bool, True) is False:
             warnings.warn("YaRN truncate=False is not supported; moetrain floors/ceils the correction range",
                           stacklevel=2)
     else:
         raise ConfigError(f"rope type {rope_type!r} is not supported; allowed: 'default' (plain RoPE), 'yarn'")
 
-    extra = d.get(EXTRA_KEY) or {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"config key {EXTRA_KEY!r} must be a dict, got {type(extra).__name__}")
+    extra = r.get(EXTRA_KEY, dict, {})
     allowed = set(TRAINING_FIELDS) | (set(_YARN_FIELDS) if out["rope_factor"] == 1.0 else set())
     bad = sorted(set(extra) - allowed)
     if bad:

@@ -14,7 +14,6 @@ whole model (:func:`save_hf_checkpoint`) or from any source of tensors (:func:`w
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moetrain.errors import CheckpointError
+from moetrain.errors import CheckpointError, ConfigError
 from moetrain.interop.adapter import Box, TensorEntry
 from moetrain.interop.fp8_blocks import (  # noqa: F401 - FP8_QUANTIZATION_CONFIG: a public name of this module
     FP8_QUANTIZATION_CONFIG,
@@ -33,6 +32,7 @@ from moetrain.interop.fp8_blocks import (  # noqa: F401 - FP8_QUANTIZATION_CONFI
     check_scale_shape,
     dequantize_fp8_blockwise,
 )
+from moetrain.interop.hf_config import read_config_json
 from moetrain.interop.registry import adapter_for_config, adapter_for_hf_config
 from moetrain.interop.safetensors_io import (
     CONFIG_NAME,
@@ -77,15 +77,17 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     """Read ``config.json`` (a file, or a checkpoint directory holding one) into a :class:`ModelConfig`.
 
     Raises:
-        FileNotFoundError: no such file. ConfigError: as :func:`config_from_hf`.
+        FileNotFoundError: no such file. ConfigError: invalid JSON (line and column), and as
+            :func:`config_from_hf` (a missing key, a value of the wrong type, ...), each naming the file.
     """
     p = Path(path)
     if p.is_dir():
         p = p / CONFIG_NAME
-    if not p.is_file():
-        raise FileNotFoundError(f"no HF config at {p}")
-    with open(p) as f:
-        return config_from_hf(json.load(f))
+    d = read_config_json(p)
+    try:
+        return config_from_hf(d)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
 
 
 def hf_tensor_names(model: nn.Module) -> list[str]:

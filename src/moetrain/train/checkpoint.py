@@ -2,12 +2,15 @@
 
 Layout of ``<run>/checkpoints``::
 
-    step_00000050/            complete checkpoint (DCP shards + .metadata + trainer_state.json + COMPLETE)
+    step_00000050/            complete checkpoint (DCP shards + .metadata + trainer_state.json + checksums.json +
+                              COMPLETE)
     .tmp-step_00000100/       a save in progress or interrupted: never read, removed by the next save
 
-Atomicity: every rank writes into the temporary directory; after a barrier rank 0 writes ``trainer_state.json`` and
-the ``COMPLETE`` marker, then renames the directory (an atomic rename on POSIX). A crash at any moment leaves the
-newest *complete* checkpoint untouched, and "latest" is simply the highest-numbered directory with a marker.
+Atomicity: every rank writes into the temporary directory; after a barrier rank 0 writes ``trainer_state.json``, the
+files' checksums (hashed while DCP wrote them: :mod:`moetrain.train.checksums`) and the ``COMPLETE`` marker, then
+renames the directory (an atomic rename on POSIX). A crash at any moment leaves the newest *complete* checkpoint
+untouched, and "latest" is simply the highest-numbered directory with a marker. Resume and export read every byte
+against the checksums first (:func:`verify_checkpoint`).
 
 Resharding without gathering: every weight and optimizer state is saved as what it is -- a DTensor (FSDP2 shards,
 and routed experts sharded on the expert dim over EP and on dim 1 over DP) or a plain tensor in one process -- under
@@ -23,6 +26,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -40,6 +44,7 @@ from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.train.checksums import MANIFEST, ChecksumWriter, FileSum, check_files, manifest_of, read_manifest
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -121,11 +126,13 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
     _barrier(ctx)
     flat, _, _ = _flat_state(model, optimizer)
     try:
-        dcp.save(flat, checkpoint_id=str(tmp))
-        _barrier(ctx)
+        writer = ChecksumWriter(tmp)
+        dcp.save(flat, storage_writer=writer)
+        sums = _gather_sums(writer.sums, ctx)  # also the barrier: every rank's files are written
         if ctx.is_main:
-            state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist())
+            state = dict(trainer_state, step=step, rng=torch.get_rng_state().tolist(), checksums=MANIFEST)
             (tmp / "trainer_state.json").write_text(json.dumps(state))
+            (tmp / MANIFEST).write_text(json.dumps(manifest_of(tmp, sums, ["trainer_state.json"])))
             for f in tmp.iterdir():  # data on disk before the marker that declares it complete
                 fsync_path(f)
             (tmp / "COMPLETE").write_text(f"{step}\n")
@@ -147,6 +154,23 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
     return final
 
 
+def _gather_sums(mine: dict[str, FileSum | None], ctx: ParallelContext) -> dict[str, FileSum | None]:
+    """Every rank's file checksums (:class:`ChecksumWriter`), merged; each file is written by one rank."""
+    if not ctx.distributed:
+        return dict(mine)
+    every: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(every, mine)
+    return {name: s for sums in every for name, s in sums.items()}
+
+
+def _first_failure(e: BaseException) -> BaseException:
+    """The first rank's own exception inside a DCP ``CheckpointException`` (which wraps one per failed rank)."""
+    if isinstance(e, CheckpointException):
+        inner = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        return inner[0] if inner else e
+    return e
+
+
 def _write_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:
     """A failed checkpoint write as one message: how much disk is free (a full disk shows up in torch as
     "[enforce fail at inline_container.cc] unexpected pos ..."), that the previous checkpoint is intact, and what to
@@ -156,9 +180,7 @@ def _write_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:
     except OSError:
         free = -1
     shutil.rmtree(tmp, ignore_errors=True)
-    if isinstance(e, CheckpointException):  # DCP wraps each rank's failure: look at the first one
-        inner = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-        e = inner[0] if inner else e
+    e = _first_failure(e)
     prev = latest_checkpoint(root.parent)
     kept = f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint exists"
     full = isinstance(e, OSError) and e.errno == errno.ENOSPC or "unexpected pos" in str(e) or free < 64 * 2 ** 20
@@ -170,13 +192,16 @@ def _write_error(e: BaseException, tmp: Path, root: Path) -> CheckpointError:
                            f"({type(e).__name__}: {e}); {kept}")
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check a complete-marked checkpoint without reading its tensors: the marker, a parseable trainer state, DCP
-    metadata that loads, and every shard file the metadata names present and long enough for the bytes it indexes
-    (a missing or truncated shard is caught here, not 180 lines deep in DCP). Returns the trainer state.
+def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any]:
+    """Check a complete-marked checkpoint before any tensor is loaded: the marker, a parseable trainer state, DCP
+    metadata that loads, every shard file the metadata names present and long enough for the bytes it indexes (a
+    missing or truncated shard is caught here, not 180 lines deep in DCP), and, with ``checksums``, every file's
+    size and SHA-256 against ``checksums.json`` (:mod:`moetrain.train.checksums`; all bytes are read). A checkpoint
+    of an earlier moetrain has no checksums: the sizes are all that is checked (:func:`has_checksums` tells).
+    Returns the trainer state.
 
     Raises:
-        CheckpointError: naming the file that is missing, damaged or too short.
+        CheckpointError: naming the file that is missing, damaged, too short or whose content changed.
     """
     path = Path(path)
     if not (path / "COMPLETE").is_file():
@@ -195,16 +220,27 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"shard {f} is missing")
         if f.stat().st_size < size:
             raise CheckpointError(f"shard {f} is truncated ({f.stat().st_size} bytes, the metadata indexes {size})")
+    manifest = read_manifest(path)
+    if manifest is None and state.get("checksums"):
+        raise CheckpointError(f"{path / MANIFEST} is missing (the trainer state says the save wrote it)")
+    if checksums and manifest is not None:
+        check_files(path, manifest)
     return state
 
 
-def resume_checkpoint(out_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint of ``out_dir`` that verifies (:func:`verify_checkpoint`), and the newer ones
-    skipped, each with the reason. (None, skipped) when none verifies."""
+def has_checksums(path: str | Path) -> bool:
+    """Whether checkpoint ``path`` records its files' checksums (moetrain writes them since checkpoints verify
+    their bytes; an earlier one is checked by size only)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def resume_checkpoint(out_dir: str | Path, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint of ``out_dir`` that verifies (:func:`verify_checkpoint`, reading every byte
+    with ``checksums``), and the newer ones skipped, each with the reason. (None, skipped) when none verifies."""
     skipped = []
     for p in reversed(complete_checkpoints(out_dir)):
         try:
-            verify_checkpoint(p)
+            verify_checkpoint(p, checksums)
         except CheckpointError as e:
             skipped.append((p, str(e)))
             continue
@@ -234,7 +270,7 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
     model-config compatibility first.
 
     Raises:
-        CheckpointError: incomplete checkpoint.
+        CheckpointError: incomplete checkpoint, or one DCP cannot read (its cause, and how to go on without it).
     """
     path = Path(path)
     if not (path / "COMPLETE").is_file():
@@ -242,14 +278,18 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
     for part, opt in _pairs(model, optimizer):
         _init_optimizer_state(part, opt)
     flat, built, dups = _flat_state(model, optimizer)
-    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
-              and _EXPERT_KEY.search(k)}
-    to_load = {k: t for k, t in flat.items() if k not in legacy}
-    renamed = _legacy_scalar_keys(to_load, stored)
-    dcp.load(to_load, checkpoint_id=str(path))
-    if legacy:
-        _load_legacy_experts(path, legacy, stored)
+    try:
+        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
+                  and _EXPERT_KEY.search(k)}
+        to_load = {k: t for k, t in flat.items() if k not in legacy}
+        renamed = _legacy_scalar_keys(to_load, stored)
+        dcp.load(to_load, checkpoint_id=str(path))
+        if legacy:
+            _load_legacy_experts(path, legacy, stored)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException) as e:
+        # CheckpointException derives from BaseException: uncaught, it would pass every `except Exception`
+        raise _read_error(e, path) from None
     with torch.no_grad():
         loaded = {k: (legacy[k] if k in legacy else to_load[renamed.get(k, k)]) for k in flat}
         for k, t in dups:
@@ -267,6 +307,19 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
     state = read_trainer_state(path)
     torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     return state
+
+
+def _read_error(e: BaseException, path: Path) -> CheckpointError:
+    """A checkpoint DCP could not read, as one line: which, the first rank's cause, and how to go on without it
+    (resuming it again would fail the same way)."""
+    cause = _first_failure(e)
+    msg = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    if len(msg) > 120:  # the first sentence: torch's advice after it (weights_only=False ...) is not for this
+        msg = msg.split(". ")[0]
+    aside = path.with_name(f"damaged-{path.name}")
+    return CheckpointError(f"checkpoint {path} cannot be read ({type(cause).__name__}: {msg}); it is damaged: move "
+                           f"it aside (mv {path} {aside}) and rerun with --resume to continue from the checkpoint "
+                           f"before it")
 
 
 _EXPERT_KEY = re.compile(r"\.experts\.(w13_E2FD|w2_EDF)(\.|$)")

@@ -11,8 +11,8 @@ import torch
 
 from moetrain.errors import CheckpointError
 from moetrain.interop.export import export_checkpoint
-from moetrain.train.checkpoint import (STEP_DIR, checkpoint_dir, complete_checkpoints, latest_checkpoint,
-                                       verify_checkpoint)
+from moetrain.train.checkpoint import (STEP_DIR, checkpoint_dir, complete_checkpoints, has_checksums,
+                                       latest_checkpoint, verify_checkpoint)
 
 
 def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path:
@@ -50,7 +50,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
             ``quantization_config``; the other tensors in ``dtype`` (default bf16, as released).
 
     Raises:
-        CheckpointError: no such checkpoint, one without the model config, or one of an older layout.
+        CheckpointError: no such checkpoint, a damaged one (naming the file: missing, truncated, or not matching
+            its checksum), one without the model config, or one of an older layout.
         FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
     """
     run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
@@ -58,5 +59,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
         raise CheckpointError(f"the export directory {out_dir} would contain (and, replaced, delete) the run "
                               f"{run_dir} itself; export to a new directory, e.g. {Path(run_dir) / 'hf'}")
     ckpt = find_checkpoint(run_dir, step)
-    verify_checkpoint(ckpt)  # the trainer's checks (marker, state, metadata, shard sizes), before writing anything
+    # the trainer's checks (marker, state, metadata, shard sizes, checksums), before writing anything
+    verify_checkpoint(ckpt)
+    if not has_checksums(ckpt):
+        print(f"[moetrain] checkpoint {ckpt.name} has no checksums (written by an earlier moetrain): verified by file "
+              f"sizes only")
     return export_checkpoint(ckpt, out_dir, Path(run_dir) / "tokenizer.json", dtype, max_shard_bytes, overwrite, fp8)

@@ -32,7 +32,7 @@ from moetrain.model.config import ConfigError
 from moetrain.parallel import mesh
 from moetrain.parallel.hang import last_stall
 from moetrain.errors import CheckpointError
-from moetrain.train.checkpoint import latest_checkpoint, read_trainer_state, resume_checkpoint
+from moetrain.train.checkpoint import has_checksums, latest_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
                                    check_schedule_unchanged)
@@ -124,7 +124,9 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
         ckpt, skipped = resume_checkpoint(job.train.out_dir)
         for bad, why in skipped:
             if ckpt is not None:  # set aside, not deleted: rotation would otherwise keep it over the good ones
-                kept = bad.with_name(f"damaged-{bad.name}")
+                kept, n = bad.with_name(f"damaged-{bad.name}"), 1
+                while kept.exists():  # the same step damaged before: keep both
+                    kept, n = bad.with_name(f"damaged-{bad.name}.{n}"), n + 1
                 os.replace(bad, kept)
                 print(f"[moetrain] skipping checkpoint {bad.name}: {why}; moved to {kept.name}")
             else:
@@ -133,6 +135,9 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
             why = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
             raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies ({why}); delete the "
                                   f"damaged ones to start over, or choose a new --out")
+        if not has_checksums(ckpt):
+            print(f"[moetrain] checkpoint {ckpt.name} has no checksums (written by an earlier moetrain): verified by "
+                  f"file sizes only")
         state = read_trainer_state(ckpt)
         if job.data.tokenizer:
             check_same_tokenizer_file(ckpt, state, job)  # first: another tokenizer also changes the vocabulary

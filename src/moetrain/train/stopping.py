@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.parallel.hang import in_phase
 
@@ -126,7 +127,11 @@ def record_failure(e: BaseException, out_dir: str, rank: int, step: int | None) 
     except OSError:
         where = ""
     at = f" at step {step}" if step is not None else " during set-up"
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    failure = WorkerFailure(f"rank {rank}{at}: {type(e).__name__}: {msg}{where}")
+    shown = e
+    if isinstance(e, CheckpointException) and e.failures:  # its own first line names only the failed ranks
+        first = next(iter(e.failures.values()))
+        shown = first[0] if isinstance(first, tuple) else first
+    msg = str(shown).strip().splitlines()[0] if str(shown).strip() else ""
+    failure = WorkerFailure(f"rank {rank}{at}: {type(shown).__name__}: {msg}{where}")
     failure.original = e
     return failure

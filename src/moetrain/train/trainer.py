@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.accounting import flops_per_token
 from moetrain.config import JobConfig, save_job_config
@@ -125,7 +126,8 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
                 return _run(job, prep, ctx, dry_run, stop, progress, report_stop)
         finally:
             shutdown()
-    except Exception as e:  # noqa: BLE001 - every failure reaches the user in one line, with its log
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's exception derives from BaseException
+        # every failure reaches the user in one line, with its log
         raise record_failure(e, tc.out_dir, rank, progress["step"]) from None
     finally:
         stop.uninstall()
@@ -314,7 +316,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     check_same_config(ctx, job.to_dict())
     amp = autocast_dtype(job, ctx.device)
     # A resumed checkpoint supersedes the initial weights, so they are not read at all then.
-    resume_from = resume_checkpoint(tc.out_dir)[0] if tc.resume else None
+    # Sizes only: the launcher's preflight read every byte against the checksums and set damaged ones aside.
+    resume_from = resume_checkpoint(tc.out_dir, checksums=False)[0] if tc.resume else None
     model = build_model_parts(job, ctx, amp, init_from=None if resume_from is not None else tc.init_from)
     optimizer = build_optimizers(model.parts, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
     if dry_run:
