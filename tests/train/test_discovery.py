@@ -141,12 +141,28 @@ def test_every_field_has_a_meaning_in_its_docstring(section):
 
 def test_field_docs_parses_grouped_and_inline_entries():
     from moetrain.config import field_docs
-    from moetrain.train.config import TrainConfig
     from moetrain.model.config import ModelConfig
 
-    train, model = field_docs(TrainConfig), field_docs(ModelConfig)
-    assert train["lr"] == train["schedule"] and "warm-up" in train["lr"]
-    assert train["beta2"].startswith("AdamW")
+    @dataclasses.dataclass
+    class Grouped:
+        """Parsed like the sections' docstrings.
+
+        Attributes:
+            a / b: one text for two,
+                continued.
+            c, d: another. e: inline entry.
+        """
+
+        a: int = 0
+        b: int = 0
+        c: int = 0
+        d: int = 0
+        e: int = 0
+
+    docs = field_docs(Grouped)
+    assert docs["a"] == docs["b"] == "one text for two, continued."
+    assert docs["c"] == docs["d"] == "another." and docs["e"] == "inline entry."
+    model = field_docs(ModelConfig)
     assert model["norm_eps"] == "RMSNorm epsilon." and "normal init" in model["init_std"]
 
 
