@@ -252,3 +252,31 @@ def test_a_log_file_has_the_fields_and_a_resumed_run_its_summary(tmp_path):
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["kind"] == "summary" and last["step"] == 6 and last["checkpoint"].endswith("step_00000006")
     assert f"val lm loss {last['val_loss']:.4f} (step 6)" in summary
+
+
+def test_a_stopped_run_ends_with_its_summary_too(tmp_path):
+    """A stop signal (or the stop file) ends the run early: the summary line still comes, saying so, with the
+    throughput of the steps run and the checkpoint written at the stop."""
+    from moetrain.accounting import flops_per_token
+    from moetrain.config import JobConfig
+    from moetrain.train.trainer import _summary, _tokens_per_step
+
+    job = JobConfig()
+    job.train.out_dir = str(tmp_path)
+    ctx = init_parallel(ParallelConfig(ep=1), job.model.n_routed_experts, device="cpu")
+    sink = _Lines()
+    ckpt = tmp_path / "checkpoints" / "step_00000012"
+    loop = LoopState(steps=400, start_step=10, sink=sink, step=12, last_checkpoint=ckpt, train_s=2.0,
+                     train_lm=[(12, 6.5)], val=[(10, 6.75)],
+                     stopped={"signal": "SIGTERM", "exit_code": 143, "step": 12, "checkpoint": str(ckpt)})
+    summary = _summary(job, ctx, loop, peak_tflops=0.1)
+    tokens = 2 * _tokens_per_step(job, ctx)
+    assert summary["tokens"] == tokens and summary["tokens_per_s_per_gpu"] == tokens / 2.0
+    assert summary["end_step"] == 12 and summary["checkpoint"] == str(ckpt)
+    fpt = flops_per_token(job.model, job.data.seq_len).megatron
+    assert summary["mfu"] == pytest.approx(tokens / 2.0 * fpt / 1e12 / 0.1, rel=1e-12)
+    (line,) = sink.lines
+    assert line.startswith("[moetrain] stopped (SIGTERM) at step 12 of 400 | 2 steps (10 -> 12) in ")
+    assert f"{tokens:,} tokens" in line and f"mean {tokens / 2.0:,.0f} tok/s/gpu" in line
+    assert "train lm 6.5000 (step 12) | val lm loss 6.7500 (step 10)" in line
+    assert line.endswith(f"checkpoint {ckpt} | metrics {tmp_path}/metrics.jsonl")
