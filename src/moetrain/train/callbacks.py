@@ -258,8 +258,8 @@ class Profiler(Callback):
     def _profile(self, loop: LoopState, step: int) -> Iterator[None]:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
-        prof = profile(activities=acts)
         with quiet_stderr():
+            prof = profile(activities=acts)
             prof.__enter__()
         try:
             yield
