@@ -129,7 +129,8 @@ def test_jsonl_tensorboard_and_wandb_offline_hold_the_same_names(tmp_path, no_wa
 
     ea = EventAccumulator(str(tmp_path / "tensorboard"))
     ea.Reload()
-    assert set(ea.Tags()["scalars"]) == want
+    events = [(f.name, f.stat().st_size) for f in tmp_path.glob("tensorboard/*")]
+    assert set(ea.Tags()["scalars"]) == want, events
     assert [e.value for e in ea.Scalars("train/loss")] == [9.5, 8.0]
 
     assert (tmp_path / "wandb" / "run-id").is_file()
