@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import struct
 import subprocess
@@ -18,8 +19,9 @@ import torch
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import init_parallel
 from moetrain.train.callbacks import LoopState, Profiler
-from moetrain.train.metrics import (TRAIN_METRICS, LogField, MemoryKind, MetricsSink, NullSink, StepMetrics,
-                                    format_duration, format_step_time, peak_memory_gb)
+from moetrain.train.metrics import (TRAIN_METRICS, VAL_METRICS, LogField, MemoryKind, MetricsSink, NullSink,
+                                    StepMetrics, format_duration, format_step_time, peak_memory_gb, val_line,
+                                    val_record)
 from moetrain.train.trackers import WandbTracker, tracker_scalars, wandb_mode_note
 
 from tests.train.test_loop_parts import _metrics
@@ -29,9 +31,15 @@ from tests.train.test_loop_parts import _metrics
 
 def test_the_metric_table_names_every_field_of_the_record_once():
     assert [m.key for m in TRAIN_METRICS] == [f.name for f in dataclasses.fields(StepMetrics)]
-    labels = [m.label for m in TRAIN_METRICS]
+    labels = [m.label for m in TRAIN_METRICS + VAL_METRICS]
     assert len(set(labels)) == len(labels), labels
-    assert all(m.doc for m in TRAIN_METRICS)
+    assert all(m.doc for m in TRAIN_METRICS + VAL_METRICS)
+
+
+def test_validation_is_labelled_lm_with_its_perplexity():
+    assert val_line(10, 20, 2.0) == "step    10/20 | val lm loss 2.0000 | val ppl 7.39"
+    assert val_record(10, 2.0) == {"kind": "val", "step": 10, "val_loss": 2.0, "val_ppl": math.exp(2.0)}
+    assert list(val_record(10, 2.0))[2:] == [m.key for m in VAL_METRICS]
 
 
 def test_every_console_field_is_labelled_from_the_table():
@@ -104,7 +112,8 @@ def read_wandb_history(run_file: Path) -> list[dict[str, float]]:
 @pytest.fixture
 def no_wandb_env(monkeypatch):
     for k in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT"):
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "")  # recorded, so the WANDB_MODE the sink sets is undone after the test
+        monkeypatch.delenv(k)
     monkeypatch.setenv("WANDB_SILENT", "true")
 
 
@@ -114,7 +123,7 @@ def test_jsonl_tensorboard_and_wandb_offline_hold_the_same_names(tmp_path, no_wa
     sink = MetricsSink(tmp_path, tensorboard=True, wandb="moetrain-test", run_config={"train": {"steps": 4}})
     assert "W&B offline run" in capsys.readouterr().out
     sink.write({"kind": "run", "step": 0, "world": 2, "peak_tflops": 0.1, "pp_schedule": "1f1b"})
-    sink.write({"kind": "val", "step": 0, "val_loss": 7.5})
+    sink.write(val_record(0, 7.5))
     sink.log_step(_metrics(step=2), pipelined=False)
     sink.log_step(_metrics(step=4, loss=8.0), pipelined=False)
     sink.write({"kind": "summary", "step": 4, "tokens": 4096, "mfu": 0.25})
@@ -134,6 +143,9 @@ def test_jsonl_tensorboard_and_wandb_offline_hold_the_same_names(tmp_path, no_wa
     assert [e.value for e in ea.Scalars("train/loss")] == [9.5, 8.0]
 
     assert (tmp_path / "wandb" / "run-id").is_file()
+    import wandb
+
+    wandb.teardown()  # run.finish() returns before wandb-core has written the run file; teardown waits for it
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     rows = read_wandb_history(run_file)
     assert set().union(*rows) == want

@@ -24,7 +24,8 @@ from moetrain.model.moe import MoE
 from moetrain.parallel.hang import in_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.train.checkpoint import save_checkpoint
-from moetrain.train.metrics import MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb
+from moetrain.train.metrics import (MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb, val_line,
+                                    val_record)
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
 from moetrain.train.stopping import StopRequest, resume_command, stop_line
@@ -192,9 +193,9 @@ class Evaluation(Callback):
     def _run(self, loop: LoopState, step: int) -> None:
         v = self.evaluate()
         loop.val.append((step, v))
-        loop.sink.write({"kind": "val", "step": step, "val_loss": v})
+        loop.sink.write(val_record(step, v))
         # LM cross-entropy only, as the train line's "lm" (its loss adds the MTP and balance terms)
-        loop.sink.print(f"step {step:>5}/{loop.steps} | val lm loss {v:.4f} | val ppl {math.exp(min(v, 700)):.2f}")
+        loop.sink.print(val_line(step, loop.steps, v))
 
     def pre_train(self, loop: LoopState) -> None:
         if self.every and loop.start_step == 0:

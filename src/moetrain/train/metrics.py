@@ -10,6 +10,7 @@ GPU catalogue of :mod:`moetrain.plan.hardware`; on a CPU, the rate of a matmul p
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -122,7 +123,25 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("eta_s", "ETA", "estimated seconds to the last step at this run's pace (evaluation, checkpoints in)"),
     Metric("peak_mem_kind", "mem kind", "which memory peak_mem_gb is (MemoryKind)"),
 )
-METRICS: dict[str, Metric] = {m.key: m for m in TRAIN_METRICS}
+#: The metrics of a "val" record (after its ``step``).
+VAL_METRICS: tuple[Metric, ...] = (
+    Metric("val_loss", "val lm loss", "next-token cross-entropy on the held-out split (LM only, as lm_loss)"),
+    Metric("val_ppl", "val ppl", "exp(val_loss): the validation perplexity"),
+)
+METRICS: dict[str, Metric] = {m.key: m for m in TRAIN_METRICS + VAL_METRICS}
+
+
+def val_record(step: int, val_loss: float) -> dict[str, Any]:
+    """The JSONL record of one validation: ``{"kind": "val", "step": ..., <VAL_METRICS keys>}``."""
+    return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+
+
+def val_line(step: int, total_steps: int, val_loss: float) -> str:
+    """The console line of one validation, labelled from :data:`VAL_METRICS`."""
+    rec = val_record(step, val_loss)
+    return " | ".join(map(str, [LogField.of("step", f"{step:>5}/{total_steps}"),
+                                LogField.of("val_loss", f"{val_loss:.4f}"),
+                                LogField.of("val_ppl", f"{rec['val_ppl']:.2f}")]))
 
 
 @dataclass(frozen=True)
