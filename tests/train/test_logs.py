@@ -293,3 +293,19 @@ def test_a_stopped_run_ends_with_its_summary_too(tmp_path):
     assert f"{tokens:,} tokens" in line and f"mean {tokens / 2.0:,.0f} tok/s/gpu" in line
     assert "train lm 6.5000 (step 12) | val lm loss 6.7500 (step 10)" in line
     assert line.endswith(f"checkpoint {ckpt} | metrics {tmp_path}/metrics.jsonl")
+
+
+def test_the_start_up_line_names_every_recipe_choice():
+    from moetrain.config import load_job_config
+    from moetrain.train.trainer import _recipe_fields
+
+    job = load_job_config(None, ['parallel.precision="fp8"', 'parallel.recompute="full"', "parallel.n_chunks=2",
+                                 'train.schedule="wsd"'], world=1)
+    ctx = init_parallel(job.parallel, job.model.n_routed_experts, device="cpu")
+    fields = {f.label: f.value for f in _recipe_fields(job, ctx)}
+    assert fields["precision"] == "fp8 (FP8 blockwise)"
+    assert fields["recompute"] == "full" and fields["schedule"] == "none (PP=1)"
+    assert fields["overlap"] == "shared experts on, EP overlap off, chunks 2"
+    assert fields["dispatcher"] == "local (bf16 rows)"  # EP 1: a permutation, nothing moves
+    assert fields["lr"] == "wsd 0.004 -> 0.0004, warm-up 20"
+    assert fields["loss"] == "lm + mtp (0.3 x MTP CE) + bal (0.0001 x balance); val is lm"
