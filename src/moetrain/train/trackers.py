@@ -58,12 +58,12 @@ class TensorBoardTracker:
 
 
 def wandb_mode_note() -> str | None:
-    """Set ``WANDB_MODE=offline`` when the environment gives neither a key nor a mode; returns the note saying so
+    """Set ``WANDB_MODE=offline`` when the environment gives neither a key nor a mode; returns the note saying why
     (None when the user's settings stand)."""
     if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
         return None
     os.environ["WANDB_MODE"] = "offline"
-    return "offline (no WANDB_API_KEY; WANDB_MODE=online or a key uploads live)"
+    return "no WANDB_API_KEY or WANDB_MODE set"
 
 
 class WandbTracker:
@@ -94,9 +94,10 @@ class WandbTracker:
 
     @property
     def where(self) -> str:
-        """Where the run went, for the start-up line."""
-        return (f"W&B {self.mode} run {self.run.id} in {self.run.dir.rsplit('/files', 1)[0]}"
-                + (f" [{self.note}]" if self.note else ""))
+        """Where the run went, for the start-up line (offline: how to upload it)."""
+        run_dir = str(Path(self.run.dir).parent)
+        return (f"W&B {self.mode} run {self.run.id} in {run_dir}" + (f" ({self.note})" if self.note else "")
+                + (f"; `wandb sync {run_dir}` uploads it" if self.mode == "offline" else ""))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
