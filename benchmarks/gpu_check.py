@@ -280,7 +280,7 @@ def _trainer_path_step(preset: str, overrides: dict, B: int, L: int, steps: int)
             t = _time(step, ctx.device, iters=steps, warmup=2)
         peak, label = device_peak(ctx.device, amp)
         tflops = flops_per_token(job.model, L).megatron * B * L / t / 1e12
-        return {"step_s": t, "tflops": tflops, "peak": peak, "label": label, "mem_gb": peak_memory_gb(ctx.device)}
+        return {"step_s": t, "tflops": tflops, "peak": peak, "label": label, "mem_gb": peak_memory_gb(ctx.device)[0]}
     finally:
         shutdown()
 

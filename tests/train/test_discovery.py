@@ -141,12 +141,28 @@ def test_every_field_has_a_meaning_in_its_docstring(section):
 
 def test_field_docs_parses_grouped_and_inline_entries():
     from moetrain.config import field_docs
-    from moetrain.train.config import TrainConfig
     from moetrain.model.config import ModelConfig
 
-    train, model = field_docs(TrainConfig), field_docs(ModelConfig)
-    assert train["lr"] == train["schedule"] and "warm-up" in train["lr"]
-    assert train["beta2"].startswith("AdamW")
+    @dataclasses.dataclass
+    class Grouped:
+        """Parsed like the sections' docstrings.
+
+        Attributes:
+            a / b: one text for two,
+                continued.
+            c, d: another. e: inline entry.
+        """
+
+        a: int = 0
+        b: int = 0
+        c: int = 0
+        d: int = 0
+        e: int = 0
+
+    docs = field_docs(Grouped)
+    assert docs["a"] == docs["b"] == "one text for two, continued."
+    assert docs["c"] == docs["d"] == "another." and docs["e"] == "inline entry."
+    model = field_docs(ModelConfig)
     assert model["norm_eps"] == "RMSNorm epsilon." and "normal init" in model["init_std"]
 
 
@@ -165,6 +181,28 @@ def test_help_config_lists_every_section_and_field(capsys):
             value = format_value(getattr(getattr(job, section), f.name))
             assert value in line, line
     assert re.search(r"^  train\.grad_accum\s+int\s+1\s+micro-batches per optimizer step", out, re.M)
+
+
+def test_every_field_has_its_own_one_line_description(capsys):
+    """Each --help-config row says what its own field is: no two rows share a text, no row is a bare symbol or
+    points at a constant (``one of PP_SCHEDULES``) instead of naming the values."""
+    assert main(["train", "--help-config"]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r"  ((?:model|parallel|data|train)\.\w+) +(.+)$", line)
+        if m:
+            cols = re.split(r"\s{2,}", m.group(2))
+            rows[m.group(1)] = cols[-1] if len(cols) >= 3 else ""
+    assert len(rows) == sum(len(dataclasses.fields(c)) for c in _section_classes().values()) + 2  # preset, hf_config
+    by_text: dict[str, list[str]] = {}
+    for key, text in rows.items():
+        by_text.setdefault(re.sub(r"\s*\[[^]]*\]$", "", text), []).append(key)
+    shared = {t: keys for t, keys in by_text.items() if len(keys) > 1}
+    assert not shared, shared
+    for key, text in rows.items():
+        bare = re.sub(r"\[[^]]*\]|[^a-zA-Z ]", " ", text).split()
+        assert len(bare) >= 2, (key, text)
+        assert not re.search(r"\b(one|any) of [A-Z][A-Z0-9_]{2,}\b", text), (key, text)
 
 
 def test_help_config_shows_the_presets_values_and_full_text_per_section(capsys):

@@ -14,7 +14,7 @@ from moetrain.model.transformer import build_model
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import init_parallel
 from moetrain.parallel.pipeline import build_stages
-from moetrain.train.metrics import MetricsSink, NullSink, StepMetrics
+from moetrain.train.metrics import MemoryKind, MetricsSink, NullSink, StepMetrics
 from moetrain.train.runners import PairedRunner, SequentialRunner, single_stage_parts
 
 TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr",
@@ -22,7 +22,8 @@ TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "gr
               "a2a_exposed_s_per_step", "a2a_exposed_share", "a2a_share_of_step", "a2a_s_per_layer",
               "a2a_exposed_s_per_layer", "a2a_s_per_layer_phase", "dispatch_bytes_per_step",
               "dispatch_remote_bytes_per_step", "pp_bubble_s_per_step", "pp_bubble_share", "pp_bubble_formula",
-              "load_imbalance_max", "load_imbalance", "dropped_tokens", "peak_mem_gb", "expert_load"]
+              "load_imbalance_max", "load_imbalance", "dropped_tokens", "peak_mem_gb", "expert_load", "total_steps",
+              "mtp_term", "balance_term", "eta_s", "peak_mem_kind"]
 
 
 def _metrics(**kw) -> StepMetrics:
@@ -33,7 +34,8 @@ def _metrics(**kw) -> StepMetrics:
                 a2a_s_per_layer_phase=[{"dispatch": [0.001, 0.0005]}, {}], dispatch_bytes_per_step=10.0,
                 dispatch_remote_bytes_per_step=5.0, pp_bubble_s_per_step=0.1, pp_bubble_share=0.2,
                 pp_bubble_formula=0.25, load_imbalance_max=1.5, load_imbalance=[1.5, 1.25], dropped_tokens=3,
-                peak_mem_gb=0.75, expert_load=[[1, 2], [3, 4]])
+                peak_mem_gb=0.75, expert_load=[[1, 2], [3, 4]], total_steps=400, mtp_term=2.25,
+                balance_term=4.125e-4, eta_s=3725.0, peak_mem_kind=MemoryKind.CPU_PEAK_RSS)
     base.update(kw)
     return StepMetrics(**base)
 
@@ -42,15 +44,16 @@ def test_step_metrics_record_has_the_jsonl_keys_in_order():
     rec = _metrics().record()
     assert list(rec) == TRAIN_KEYS
     assert rec["kind"] == "train" and rec["expert_load"] == [[1, 2], [3, 4]]
+    assert rec["peak_mem_kind"] == "cpu_peak_rss"
     assert json.loads(json.dumps(rec)) == rec
 
 
 def test_step_metrics_console_line():
     m = _metrics()
     line = m.console_line(pipelined=False)
-    assert line == ("step     7 | loss 9.5000 (lm 7.250 mtp 7.500 bal 4.125) | gnorm 1.25 | lr 1.00e-03 | "
-                    "1,234 tok/s/gpu | 0.0125 TFLOP/s/gpu | MFU 25.0% | a2a 2.0 ms/step (50% exposed) | "
-                    "load max/mean 1.50 | drop 3 | mem 0.75 GB")
+    assert line == ("step     7/400 | loss 9.5000 = lm 7.2500 + mtp 2.2500 + bal 0.0004 | gnorm 1.25 | lr 1.00e-03 | "
+                    "step time 500 ms | tok/s/gpu 1,234 | TFLOP/s/gpu 0.0125 | MFU 25.0% | ETA 1h02m05s | "
+                    "a2a 2.0 ms/step (50% exposed = 0.2% of step) | load max/mean 1.50 | drop 3 | mem 0.75 GB peak RSS")
     assert m.console_line(pipelined=True) == line + " | bubble 20% (formula 25%)"
 
 

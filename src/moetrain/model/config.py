@@ -40,7 +40,7 @@ class ModelConfig:
         n_dense_layers: the first k blocks use a dense SwiGLU FFN instead of MoE [first_k_dense_replace].
         dense_ffn_dim: hidden size of the dense FFN [intermediate_size].
         expert_ffn_dim: hidden size F of one routed or shared expert [moe_intermediate_size].
-        n_routed_experts: E [n_routed_experts].
+        n_routed_experts: routed experts E per MoE layer [n_routed_experts].
         n_shared_experts: shared experts, fused into one SwiGLU of width n_shared * F [n_shared_experts].
         top_k: routed experts per token K [num_experts_per_tok].
         n_expert_groups: experts are split into this many groups for group-limited routing [n_group].
@@ -51,12 +51,19 @@ class ModelConfig:
         n_heads: attention heads H [num_attention_heads].
         q_lora_rank: rank of the query compression; 0 means a plain query projection (V2-Lite).
         kv_lora_rank: rank of the joint key/value compression.
-        qk_nope_head_dim / qk_rope_head_dim / v_head_dim: per-head dims of the non-rotary query/key part, of the
-            decoupled rotary part (one key shared by all heads), and of the values.
-        rope_theta: RoPE base.
+        qk_nope_head_dim: per-head dims of the non-rotary (content) part of queries and keys.
+        qk_rope_head_dim: per-head dims of the decoupled rotary part (its key shared by all heads).
+        v_head_dim: per-head dims of the values.
+        rope_theta: RoPE base frequency.
         rope_factor: YaRN scaling factor; 1.0 disables YaRN (plain RoPE).
-        rope_beta_fast / rope_beta_slow / rope_mscale / rope_mscale_all_dim: YaRN parameters (arXiv 2309.00071;
-            DeepSeek's variant scales the softmax by mscale(factor, mscale_all_dim)^2).
+        rope_beta_fast: YaRN ramp's high-frequency bound: rotary dims turning more often than this over the
+            original context keep their frequency (arXiv 2309.00071).
+        rope_beta_slow: YaRN ramp's low-frequency bound: dims turning fewer times are fully interpolated by
+            rope_factor.
+        rope_mscale: YaRN temperature numerator: cos/sin tables times mscale(factor, rope_mscale) /
+            mscale(factor, rope_mscale_all_dim).
+        rope_mscale_all_dim: YaRN softmax-scale coefficient: the attention scale times mscale(factor,
+            rope_mscale_all_dim)^2, DeepSeek's variant.
         rope_original_seq_len: pre-training context of the YaRN ramp [original_max_position_embeddings].
         rope_interleave: rotary pairs are (x0,x1),(x2,x3)... as in the released weights; False = rotate-half pairs.
         max_seq_len: longest sequence the model is built for [max_position_embeddings].

@@ -8,8 +8,11 @@ A callback sees the loop's state (:class:`LoopState`) and each step's :class:`~m
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
 import time
+import warnings
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +24,8 @@ from moetrain.model.moe import MoE
 from moetrain.parallel.hang import in_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.train.checkpoint import save_checkpoint
-from moetrain.train.metrics import MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb
+from moetrain.train.metrics import (MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb, val_line,
+                                    val_record)
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
 from moetrain.train.stopping import StopRequest, resume_command, stop_line
@@ -46,6 +50,9 @@ class LoopState:
         stopped: where and how the run stopped on a signal (the summary's "stopped"), set after the loop.
         val: (step, validation loss) of every evaluation.
         train: (step, loss) of every logged step.
+        train_lm: (step, LM loss) of every logged step (what validation is compared with).
+        train_s: seconds this run spent in training steps (batches read, step run; evaluation and checkpoints not).
+        wall_start: ``time.perf_counter()`` when this run's loop began (before the first evaluation).
     """
 
     steps: int
@@ -58,6 +65,9 @@ class LoopState:
     stopped: dict[str, Any] | None = None
     val: list[tuple[int, float]] = field(default_factory=list)
     train: list[tuple[int, float]] = field(default_factory=list)
+    train_lm: list[tuple[int, float]] = field(default_factory=list)
+    train_s: float = 0.0
+    wall_start: float = field(default_factory=time.perf_counter)
 
     @property
     def last(self) -> bool:
@@ -110,24 +120,29 @@ class StepMetricsLogger(Callback):
         self.bubble_formula, self.pipelined = bubble_formula, pipelined
         self.window_t: float | None = None
         self.paused_at: float | None = None
+        self.step_t = 0.0
+        self.loop_t = 0.0
         self.window_steps, self.window_bubble = 0, 0.0
 
     def pre_step(self, loop: LoopState) -> None:
         now = time.perf_counter()
         if self.window_t is None:
-            self.window_t = now
+            self.window_t = self.loop_t = now
             loop.sink.start_progress(loop.steps, loop.start_step)
         elif self.paused_at is not None:
             self.window_t += now - self.paused_at
         self.paused_at = None
+        self.step_t = now
 
     def post_step(self, loop: LoopState, result: StepResult) -> None:
+        loop.train_s += time.perf_counter() - self.step_t
         self.window_steps += 1
         self.window_bubble += result.bubble_s
         loop.sink.advance(f"loss {result.loss:.3f}")
         if loop.step % self.log_every == 0 or loop.last:
             m = self._metrics(loop, result)
             loop.train.append((loop.step, result.loss))
+            loop.train_lm.append((loop.step, result.lm_loss))
             loop.sink.log_step(m, self.pipelined)
             for layer in self.moe_layers:
                 stats = layer.dispatcher.stats
@@ -147,6 +162,10 @@ class StepMetricsLogger(Callback):
         a2a = sum(s.a2a_seconds for s in stats)
         exposed = sum(s.exposed_seconds for s in stats)
         imb = load_imbalance(result.tokens_per_expert_ME)
+        mem_gb, mem_kind = peak_memory_gb(self.ctx.device)
+        # the ETA at this run's whole pace so far, evaluation and checkpoints included (they recur)
+        done = loop.step - loop.start_step
+        eta = (time.perf_counter() - self.loop_t) / done * (loop.steps - loop.step)
         return StepMetrics(
             step=loop.step, loss=result.loss, lm_loss=result.lm_loss, mtp_loss=result.mtp_loss,
             balance_loss=result.balance_loss, grad_norm=result.grad_norm, lr=loop.lr,
@@ -160,8 +179,9 @@ class StepMetricsLogger(Callback):
             dispatch_remote_bytes_per_step=sum(s.remote_bytes_sent for s in stats) / n,
             pp_bubble_s_per_step=self.window_bubble / n, pp_bubble_share=self.window_bubble / dt if dt > 0 else 0.0,
             pp_bubble_formula=self.bubble_formula, load_imbalance_max=max(imb) if imb else 1.0, load_imbalance=imb,
-            dropped_tokens=result.dropped_tokens, peak_mem_gb=peak_memory_gb(self.ctx.device),
-            expert_load=result.tokens_per_expert_ME.tolist())
+            dropped_tokens=result.dropped_tokens, peak_mem_gb=mem_gb,
+            expert_load=result.tokens_per_expert_ME.tolist(), total_steps=loop.steps, mtp_term=result.mtp_term,
+            balance_term=result.balance_term, eta_s=eta, peak_mem_kind=mem_kind)
 
 
 class Evaluation(Callback):
@@ -173,8 +193,9 @@ class Evaluation(Callback):
     def _run(self, loop: LoopState, step: int) -> None:
         v = self.evaluate()
         loop.val.append((step, v))
-        loop.sink.write({"kind": "val", "step": step, "val_loss": v})
-        loop.sink.print(f"step {step:>5} | val loss {v:.4f}")
+        loop.sink.write(val_record(step, v))
+        # LM cross-entropy only, as the train line's "lm" (its loss adds the MTP and balance terms)
+        loop.sink.print(val_line(step, loop.steps, v))
 
     def pre_train(self, loop: LoopState) -> None:
         if self.every and loop.start_step == 0:
@@ -224,20 +245,48 @@ class Checkpointing(Callback):
 
 class Profiler(Callback):
     """``torch.profiler`` around the given optimizer steps (1-based; CPU, and CUDA where present), each written
-    as a Chrome trace ``out_dir/profile/step<N>-rank<r>.json``."""
+    as a Chrome trace ``out_dir/profile/step<N>-rank<r>.json``; rank 0 prints where the traces went. The
+    profiler's own start/stop chatter (kineto's lines on stderr, a warning) is silenced around its start, stop
+    and export only, so the step's own errors still show."""
 
     def __init__(self, steps: tuple[int, ...], out_dir: str, ctx: ParallelContext):
         self.steps, self.out_dir, self.ctx = set(steps), out_dir, ctx
 
     def around_step(self, loop: LoopState) -> AbstractContextManager:
-        return self._profile(loop.step + 1) if loop.step + 1 in self.steps else nullcontext()
+        return self._profile(loop, loop.step + 1) if loop.step + 1 in self.steps else nullcontext()
 
     @contextmanager
-    def _profile(self, step: int) -> Iterator[None]:
+    def _profile(self, loop: LoopState, step: int) -> Iterator[None]:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
-        with profile(activities=acts) as prof:
+        with quiet_stderr():
+            prof = profile(activities=acts)
+            prof.__enter__()
+        try:
             yield
+        finally:
+            with quiet_stderr():
+                prof.__exit__(None, None, None)
         path = Path(self.out_dir) / "profile" / f"step{step}-rank{self.ctx.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
+        with quiet_stderr():
+            prof.export_chrome_trace(str(path))
+        where = path.parent / f"step{step}-rank*.json" if self.ctx.world_size > 1 else path
+        loop.sink.print(f"[moetrain] profile of step {step}: trace {where} (open in https://ui.perfetto.dev or "
+                        f"chrome://tracing)")
+
+
+@contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null, and Python warnings off, for the duration (C++ libraries write there
+    directly, past ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

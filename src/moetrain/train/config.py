@@ -16,14 +16,22 @@ class TrainConfig:
         steps: optimizer steps.
         micro_batch_size: sequences per micro-batch per rank.
         grad_accum: micro-batches per optimizer step (global batch = micro_batch_size * grad_accum * world).
-        lr / min_lr / warmup_steps / schedule: AdamW learning rate, linear warm-up, then "cosine" or "wsd" decay to
-            min_lr, or "constant".
-        weight_decay, beta1, beta2, eps: AdamW (DeepSeek-V3: 0.1, 0.9, 0.95).
+        lr: AdamW peak learning rate, reached after the warm-up.
+        min_lr: learning rate the decay ends at (cosine, wsd); the floor of the schedule.
+        warmup_steps: steps of linear warm-up to lr (step 1 runs at lr / warmup_steps).
+        schedule: decay after the warm-up: "cosine" (to min_lr at the last step), "wsd" (warmup-stable-decay:
+            lr held, then a linear decay to min_lr over the last 20% of the steps) or "constant" (lr throughout).
+        weight_decay: AdamW decoupled weight decay (DeepSeek-V3: 0.1).
+        beta1: AdamW first-moment decay (DeepSeek-V3: 0.9).
+        beta2: AdamW second-moment decay (DeepSeek-V3: 0.95).
+        eps: AdamW denominator epsilon, added to the root of the second moment.
         max_grad_norm: global gradient clipping (DeepSeek-V3: 1.0; <= 0 disables).
         seed: model init seed (the data loader uses data.seed too).
-        log_every / eval_every / eval_batches: metrics cadence; validation every eval_every steps on eval_batches
-            micro-batches per rank (0 = never).
-        ckpt_every / keep_ckpts: checkpoint cadence (0 = only at the end) and how many complete ones to keep.
+        log_every: steps between metrics lines and records (the last step is always logged).
+        eval_every: steps between validation losses (0 = never; also before the first step and after the last).
+        eval_batches: micro-batches per rank each validation runs on.
+        ckpt_every: steps between checkpoints (0 = only at the end; a stop signal also writes one).
+        keep_ckpts: how many complete checkpoints to keep (older ones are deleted).
         out_dir: run directory (metrics.jsonl, TensorBoard events, checkpoints/).
         resume: continue from the newest complete checkpoint in out_dir/checkpoints.
         nproc: worker processes that ``moetrain train`` launches on this machine (0 = one per GPU, else 2 on CPU).
@@ -39,6 +47,8 @@ class TrainConfig:
         profile_steps: optimizer steps (1-based) to record with ``torch.profiler``; each writes a Chrome trace
             ``out_dir/profile/step<N>-rank<r>.json`` (open in Perfetto or chrome://tracing), where EP overlap's
             forward and backward segments of the paired micro-batches appear as named ranges.
+        wandb: Weights & Biases project to log the run's metrics to ("" = no W&B); offline in out_dir/wandb
+            unless WANDB_API_KEY or WANDB_MODE is set (needs pip install wandb).
     """
 
     steps: int = 400
@@ -68,6 +78,7 @@ class TrainConfig:
     init_from: str | None = None
     allow_schedule_change: bool = False
     profile_steps: tuple[int, ...] = ()
+    wandb: str = ""
 
     def __post_init__(self) -> None:
         given = self.profile_steps

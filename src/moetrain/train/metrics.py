@@ -1,4 +1,5 @@
-"""Throughput accounting (TFLOP/s per GPU, MFU) and metric sinks (console, JSONL, TensorBoard).
+"""Throughput accounting (TFLOP/s per GPU, MFU), the metric names (:data:`TRAIN_METRICS`) and the metric sink
+(console, JSONL, and the trackers of :mod:`moetrain.train.trackers`: TensorBoard, W&B).
 
 TFLOP/s per GPU uses the Megatron-Core FLOPs formula (:mod:`moetrain.accounting`), the accounting of the published
 DeepSeek-V3 record, so the numbers compare. MFU divides it by the device's dense peak: the datasheet rate from the
@@ -9,15 +10,18 @@ GPU catalogue of :mod:`moetrain.plan.hardware`; on a CPU, the rate of a matmul p
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moetrain.train.trackers import TensorBoardTracker, Tracker, WandbTracker, tracker_scalars
 
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
@@ -51,38 +55,129 @@ def device_peak(device: torch.device, dtype: torch.dtype | None) -> tuple[float,
     return matmul_probe_tflops(device), "cpu-probe"
 
 
-def peak_memory_gb(device: torch.device) -> float:
+class MemoryKind(str, Enum):
+    """Which memory ``peak_mem_gb`` measures: on a GPU the caching allocator's peak of allocated tensors
+    (``torch.cuda.max_memory_allocated``), on a CPU the process's peak resident set (``ru_maxrss``: tensors, the
+    Python heap and libraries)."""
+
+    GPU_PEAK_ALLOCATED = "gpu_peak_allocated"
+    CPU_PEAK_RSS = "cpu_peak_rss"
+
+    @property
+    def label(self) -> str:
+        """The console's words for it."""
+        return "peak allocated" if self is MemoryKind.GPU_PEAK_ALLOCATED else "peak RSS"
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, MemoryKind]:
+    """(peak memory of this process in GB (1e9 bytes), which memory it is) on ``device``."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+        return torch.cuda.max_memory_allocated(device) / 1e9, MemoryKind.GPU_PEAK_ALLOCATED
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, MemoryKind.CPU_PEAK_RSS  # Linux: KiB
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric's name everywhere: ``key`` in the JSONL record, ``<kind>/<key>`` in TensorBoard and W&B
+    (:func:`moetrain.train.trackers.tracker_scalars`), ``label`` on the console line."""
+
+    key: str
+    label: str
+    doc: str
+
+
+#: The metrics of a "train" record, in record order: the one table of their names (console, JSONL, TensorBoard,
+#: W&B) and meanings. ``loss = lm_loss + mtp_term + balance_term``; validation is LM only, comparable with lm_loss.
+TRAIN_METRICS: tuple[Metric, ...] = (
+    Metric("step", "step", "optimizer steps done"),
+    Metric("loss", "loss", "the step's objective, lm_loss + mtp_term + balance_term"),
+    Metric("lm_loss", "lm", "next-token cross-entropy (what validation measures)"),
+    Metric("mtp_loss", "mtp CE", "mean multi-token-prediction cross-entropy over the depths, before its weight"),
+    Metric("balance_loss", "bal raw", "sequence-wise balance loss summed over MoE layers, before its coefficient"),
+    Metric("grad_norm", "gnorm", "global gradient L2 norm before clipping"),
+    Metric("lr", "lr", "learning rate of the step"),
+    Metric("tokens_per_s_per_gpu", "tok/s/gpu", "training tokens per second per rank over the window"),
+    Metric("tflops_per_gpu", "TFLOP/s/gpu", "model TFLOP/s per rank (Megatron-Core FLOPs formula)"),
+    Metric("mfu", "MFU", "tflops_per_gpu / the device's dense peak"),
+    Metric("step_time_s", "step time", "wall seconds per step over the window (evaluation, checkpoints excluded)"),
+    Metric("a2a_s_per_step", "a2a", "expert all-to-all seconds per step (dispatch and combine, both passes)"),
+    Metric("a2a_exposed_s_per_step", "a2a exposed", "all-to-all seconds per step the compute waited for"),
+    Metric("a2a_exposed_share", "exposed", "a2a_exposed_s_per_step / a2a_s_per_step"),
+    Metric("a2a_share_of_step", "of step", "a2a_exposed_s_per_step / step_time_s: the step time lost to it"),
+    Metric("a2a_s_per_layer", "a2a per layer", "a2a_s_per_step per MoE layer of this rank"),
+    Metric("a2a_exposed_s_per_layer", "a2a exposed per layer", "a2a_exposed_s_per_step per MoE layer"),
+    Metric("a2a_s_per_layer_phase", "a2a per phase", "per MoE layer, {phase: [a2a s, exposed s]} per step"),
+    Metric("dispatch_bytes_per_step", "dispatch bytes", "bytes of the dispatched token rows per step"),
+    Metric("dispatch_remote_bytes_per_step", "remote bytes", "dispatch_bytes_per_step sent to other ranks"),
+    Metric("pp_bubble_s_per_step", "bubble s", "measured pipeline bubble seconds per step"),
+    Metric("pp_bubble_share", "bubble", "pp_bubble_s_per_step / step_time_s"),
+    Metric("pp_bubble_formula", "formula", "the schedule's textbook bubble fraction"),
+    Metric("load_imbalance_max", "load max/mean", "largest max/mean tokens per expert over the MoE layers"),
+    Metric("load_imbalance", "load per layer", "max/mean tokens per expert per MoE layer"),
+    Metric("dropped_tokens", "drop", "token-expert assignments dropped by a capacity limit in the step"),
+    Metric("peak_mem_gb", "mem", "peak memory of this process in GB, of the kind peak_mem_kind says"),
+    Metric("expert_load", "expert load", "(M, E) tokens per expert of the step, summed over ranks"),
+    Metric("total_steps", "of", "the run's last step (train.steps)"),
+    Metric("mtp_term", "mtp", "mtp_loss times model.mtp_loss_weight: the MTP part of loss"),
+    Metric("balance_term", "bal", "balance_loss times model.balance_loss_alpha: the balance part of loss"),
+    Metric("eta_s", "ETA", "estimated seconds to the last step at this run's pace (evaluation, checkpoints in)"),
+    Metric("peak_mem_kind", "mem kind", "which memory peak_mem_gb is (MemoryKind)"),
+)
+#: The metrics of a "val" record (after its ``step``).
+VAL_METRICS: tuple[Metric, ...] = (
+    Metric("val_loss", "val lm loss", "next-token cross-entropy on the held-out split (LM only, as lm_loss)"),
+    Metric("val_ppl", "val ppl", "exp(val_loss): the validation perplexity"),
+)
+METRICS: dict[str, Metric] = {m.key: m for m in TRAIN_METRICS + VAL_METRICS}
+
+
+def val_record(step: int, val_loss: float) -> dict[str, Any]:
+    """The JSONL record of one validation: ``{"kind": "val", "step": ..., <VAL_METRICS keys>}``."""
+    return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+
+
+def val_line(step: int, total_steps: int, val_loss: float) -> str:
+    """The console line of one validation, labelled from :data:`VAL_METRICS`."""
+    rec = val_record(step, val_loss)
+    return " | ".join(map(str, [LogField.of("step", f"{step:>5}/{total_steps}"),
+                                LogField.of("val_loss", f"{val_loss:.4f}"),
+                                LogField.of("val_ppl", f"{rec['val_ppl']:.2f}")]))
+
+
+@dataclass(frozen=True)
+class LogField:
+    """One labelled field of a console line: ``label value``."""
+
+    label: str
+    value: str
+
+    @classmethod
+    def of(cls, key: str, value: str) -> LogField:
+        """The field of metric ``key``, labelled by :data:`TRAIN_METRICS`."""
+        return cls(METRICS[key].label, value)
+
+    def __str__(self) -> str:
+        return f"{self.label} {self.value}"
+
+
+def format_duration(seconds: float) -> str:
+    """``3725.0`` -> ``"1h02m05s"``, ``65`` -> ``"1m05s"``, ``4.2`` -> ``"4s"``."""
+    s = int(round(seconds))
+    h, m = s // 3600, s % 3600 // 60
+    return f"{h}h{m:02d}m{s % 60:02d}s" if h else f"{m}m{s % 60:02d}s" if m else f"{s}s"
+
+
+def format_step_time(seconds: float) -> str:
+    """Milliseconds below 10 s, else seconds: ``0.5123`` -> ``"512 ms"``, ``12.3`` -> ``"12.3 s"``."""
+    return f"{1e3 * seconds:,.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 @dataclass
 class StepMetrics:
     """The one metrics record of training steps: figures of the optimizer step ``step`` and of the window of steps
-    since the previous record (throughput, communication, bubble). Console, JSONL and TensorBoard read it
-    (:meth:`MetricsSink.log_step`); the JSONL keys are the field names, in this order, after ``"kind": "train"``.
-
-    Attributes:
-        step: optimizer steps done.
-        loss, lm_loss, mtp_loss, balance_loss, grad_norm: the step's objective and terms
-            (``moetrain.train.step.StepResult``).
-        lr: the step's learning rate.
-        tokens_per_s_per_gpu, tflops_per_gpu, mfu: the window's throughput per rank (Megatron-Core FLOPs; MFU
-            against the device peak).
-        step_time_s: wall seconds per step in the window (evaluation and checkpoints excluded).
-        a2a_s_per_step, a2a_exposed_s_per_step: all-to-all seconds per step, and those the compute waited for.
-        a2a_exposed_share: exposed / total all-to-all time; a2a_share_of_step: exposed time / window time.
-        a2a_s_per_layer, a2a_exposed_s_per_layer: the same per MoE layer of this rank, per step.
-        a2a_s_per_layer_phase: per MoE layer, {phase: [a2a s, exposed s]} per step (``DispatchStats.PHASES``).
-        dispatch_bytes_per_step, dispatch_remote_bytes_per_step: dispatched rows' bytes, all and to other ranks.
-        pp_bubble_s_per_step, pp_bubble_share: measured pipeline bubble per step and as a share of the window.
-        pp_bubble_formula: the schedule's textbook bubble fraction.
-        load_imbalance_max, load_imbalance: max / mean tokens per expert, the largest and per MoE layer.
-        dropped_tokens: token-expert assignments dropped by a capacity limit in the step.
-        peak_mem_gb: peak memory of this process.
-        expert_load: (M, E) tokens per expert of the step, summed over ranks.
-    """
+    since the previous record (throughput, communication, bubble). Console, JSONL, TensorBoard and W&B read it
+    (:meth:`MetricsSink.log_step`); the JSONL keys are the field names, in this order, after ``"kind": "train"``,
+    each named and described in :data:`TRAIN_METRICS` (the tests hold the two equal)."""
 
     step: int
     loss: float
@@ -112,29 +207,60 @@ class StepMetrics:
     dropped_tokens: int
     peak_mem_gb: float
     expert_load: list[list[int]]
+    total_steps: int
+    mtp_term: float
+    balance_term: float
+    eta_s: float
+    peak_mem_kind: MemoryKind
 
     def record(self) -> dict[str, Any]:
-        """The JSONL record: ``{"kind": "train", <field>: <value>, ...}``."""
-        return {"kind": "train", **asdict(self)}
+        """The JSONL record: ``{"kind": "train", <field>: <value>, ...}`` (``peak_mem_kind`` as its string)."""
+        return {"kind": "train", **asdict(self), "peak_mem_kind": self.peak_mem_kind.value}
+
+    def console_fields(self, pipelined: bool) -> list[LogField]:
+        """The console line's labelled fields, in order; ``pipelined`` adds the measured and the formula's bubble.
+        A new figure is one more entry here (and its :data:`TRAIN_METRICS` row)."""
+        f = LogField.of
+        fields = [
+            f("step", f"{self.step:>5}/{self.total_steps}"),
+            f("loss", f"{self.loss:.4f} = {f('lm_loss', f'{self.lm_loss:.4f}')} + "
+                      f"{f('mtp_term', f'{self.mtp_term:.4f}')} + {f('balance_term', f'{self.balance_term:.4f}')}"),
+            f("grad_norm", f"{self.grad_norm:.2f}"),
+            f("lr", f"{self.lr:.2e}"),
+            f("step_time_s", format_step_time(self.step_time_s)),
+            f("tokens_per_s_per_gpu", f"{self.tokens_per_s_per_gpu:,.0f}"),
+            f("tflops_per_gpu", f"{self.tflops_per_gpu:.4f}"),
+            f("mfu", f"{100 * self.mfu:.1f}%"),
+            f("eta_s", format_duration(self.eta_s)),
+            f("a2a_s_per_step", f"{1e3 * self.a2a_s_per_step:.1f} ms/step ({100 * self.a2a_exposed_share:.0f}% "
+                                f"exposed = {100 * self.a2a_share_of_step:.1f}% of step)"),
+            f("load_imbalance_max", f"{self.load_imbalance_max:.2f}"),
+            f("dropped_tokens", f"{self.dropped_tokens}"),
+            f("peak_mem_gb", f"{self.peak_mem_gb:.2f} GB {self.peak_mem_kind.label}"),
+        ]
+        if pipelined:
+            fields.append(f("pp_bubble_share", f"{100 * self.pp_bubble_share:.0f}% "
+                                                f"(formula {100 * self.pp_bubble_formula:.0f}%)"))
+        return fields
 
     def console_line(self, pipelined: bool) -> str:
-        """The console's line of the step; ``pipelined`` adds the measured and the formula's bubble."""
-        return (f"step {self.step:>5} | loss {self.loss:.4f} (lm {self.lm_loss:.3f} mtp {self.mtp_loss:.3f} bal "
-                f"{self.balance_loss:.3f}) | gnorm {self.grad_norm:.2f} | lr {self.lr:.2e} | "
-                f"{self.tokens_per_s_per_gpu:,.0f} tok/s/gpu | {self.tflops_per_gpu:.4f} TFLOP/s/gpu | MFU "
-                f"{100 * self.mfu:.1f}% | a2a {1e3 * self.a2a_s_per_step:.1f} ms/step "
-                f"({100 * self.a2a_exposed_share:.0f}% exposed) | load max/mean {self.load_imbalance_max:.2f}"
-                f" | drop {self.dropped_tokens} | mem {self.peak_mem_gb:.2f} GB"
-                + (f" | bubble {100 * self.pp_bubble_share:.0f}% (formula {100 * self.pp_bubble_formula:.0f}%)"
-                   if pipelined else ""))
+        """The console's line of the step: :meth:`console_fields` joined by `` | ``."""
+        return " | ".join(map(str, self.console_fields(pipelined)))
 
 
 class MetricsSink:
-    """Writes metrics to ``out_dir/metrics.jsonl``, TensorBoard (optional) and the console. Rank 0 only."""
+    """Writes metrics to ``out_dir/metrics.jsonl``, the trackers (TensorBoard, W&B: :mod:`moetrain.train.trackers`,
+    optional) and the console. Rank 0 only."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = True, resume_step: int = 0, wandb: str = "",
+                 run_config: dict[str, Any] | None = None):
         """``resume_step > 0``: continue a run, dropping records logged after that step by the interrupted run (they
-        are about to be logged again), so every step appears once."""
+        are about to be logged again), so every step appears once. ``wandb``: a W&B project name ("" = no W&B run),
+        ``run_config`` its config.
+
+        Raises:
+            ConfigError: ``wandb`` is given and the wandb package is missing.
+        """
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / "metrics.jsonl"
@@ -145,12 +271,15 @@ class MetricsSink:
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(path)
         self.jsonl = open(path, "a" if resume_step else "w")
-        self.tb = None
+        self.trackers: list[Tracker] = []
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self.trackers.append(TensorBoardTracker(self.dir, resume_step))
         from rich.console import Console
         self.console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+        if wandb:
+            tracker = WandbTracker(wandb, self.dir, run_config, resume=resume_step > 0)
+            self.trackers.append(tracker)
+            self.print(f"[moetrain] metrics: {tracker.where}")
         self.progress = None
         self._task = None
 
@@ -170,17 +299,14 @@ class MetricsSink:
             self.progress.update(self._task, advance=1, status=status)
 
     def write(self, record: dict[str, Any]) -> None:
+        """One record to the JSONL file and its scalars (:func:`~moetrain.train.trackers.tracker_scalars`) to the
+        trackers."""
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
-            step = record.get("step", 0)
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, step)
-            for m, phases in enumerate(record.get("a2a_s_per_layer_phase", [])):
-                for phase, (total, exposed) in phases.items():
-                    self.tb.add_scalar(f"a2a/moe{m}/{phase}/total_s", total, step)
-                    self.tb.add_scalar(f"a2a/moe{m}/{phase}/exposed_s", exposed, step)
+        if self.trackers:
+            scalars = tracker_scalars(record)
+            for t in self.trackers:
+                t.log(scalars, record.get("step", 0))
 
     def log_step(self, m: StepMetrics, pipelined: bool) -> None:
         """One step's metrics: the JSONL record, its TensorBoard scalars and the console line."""
@@ -194,8 +320,8 @@ class MetricsSink:
         if self.progress is not None:
             self.progress.stop()
         self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            t.close()
 
 
 class NullSink:

@@ -41,7 +41,8 @@ class StepResult:
     """Global (all-rank) figures of one optimizer step.
 
     loss: total objective; lm_loss / mtp_loss / balance_loss: its terms (mtp_loss is the mean over depths before
-    lambda, balance_loss before alpha); grad_norm: before clipping; tokens_per_expert_ME: (M, E) loads summed over
+    lambda, balance_loss before alpha; mtp_term / balance_term: the same as added to loss, after them, so loss =
+    lm_loss + mtp_term + balance_term); grad_norm: before clipping; tokens_per_expert_ME: (M, E) loads summed over
     all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: token-expert assignments dropped by the
     capacity limit, summed over micro-batches and ranks; pipeline_s: seconds in the pipeline schedule and
     bubble_s: the part of them this rank spent not computing (waiting for and sending to neighbouring stages; 0
@@ -58,6 +59,8 @@ class StepResult:
     dropped_tokens: int = 0
     pipeline_s: float = 0.0
     bubble_s: float = 0.0
+    mtp_term: float = 0.0
+    balance_term: float = 0.0
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -188,7 +191,8 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
     for _, moe in layers:
         moe.dispatcher.stats.settle()
     pipeline_s, bubble_s = model.runner.timing()
-    total = lm_v + cfg.mtp_loss_weight * mtp_v + cfg.balance_loss_alpha * bal_v
-    return StepResult(loss=total, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v, grad_norm=gnorm_v,
-                      tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]), n_sequences=int(norm_host[-1]),
-                      dropped_tokens=int(dropped_v), pipeline_s=pipeline_s, bubble_s=bubble_s)
+    mtp_term, balance_term = cfg.mtp_loss_weight * mtp_v, cfg.balance_loss_alpha * bal_v
+    return StepResult(loss=lm_v + mtp_term + balance_term, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v,
+                      grad_norm=gnorm_v, tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]),
+                      n_sequences=int(norm_host[-1]), dropped_tokens=int(dropped_v), pipeline_s=pipeline_s,
+                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from moetrain.train.callbacks import (Callback, Checkpointing, Evaluation, Finit
                                       StepMetricsLogger, StopOnSignal)
 from moetrain.train.callbacks import NonFiniteLossError  # noqa: F401 - what a run raises, importable from here
 from moetrain.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint
-from moetrain.train.metrics import MetricsSink, NullSink, device_peak
+from moetrain.train.metrics import LogField, MetricsSink, NullSink, device_peak, format_duration
 from moetrain.train.optim import build_optimizers, lr_at, set_lr
 from moetrain.train.resume import data_fingerprint
 from moetrain.train.runners import ModelParts, Objective, build_runner
@@ -223,23 +224,49 @@ def _tokens_per_step(job: JobConfig, ctx: ParallelContext) -> int:
     return tc.micro_batch_size * tc.grad_accum * ctx.stage_size * job.data.seq_len
 
 
+def _recipe_fields(job: JobConfig, ctx: ParallelContext) -> list[LogField]:
+    """The start-up line's account of every recipe choice of the run: layout, dispatcher, precision and FP8
+    recipe, overlap, pipeline schedule, recompute, FSDP, the learning-rate schedule and what the loss adds up."""
+    pcfg, tc, m = ctx.pcfg, job.train, job.model
+    dispatcher = pcfg.dispatch_rows if pcfg.moves_tokens else "local"  # at EP 1 a permutation, no all-to-all
+    fp8 = PLAN_PRECISION_TO_FP8.get(pcfg.precision, "none")
+    on = {True: "on", False: "off"}
+    return [
+        LogField(f"{ctx.world_size} ranks on", ctx.device.type),
+        LogField("layout", f"DP={pcfg.dp} EP={pcfg.ep} PP={pcfg.pp}" + (f" VPP={pcfg.stages_per_rank}"
+                                                                        if pcfg.stages_per_rank > 1 else "")),
+        LogField("dispatcher", f"{dispatcher} ({pcfg.dispatch_precision} rows)"),
+        LogField("precision", f"{pcfg.run_precision(ctx.device.type)} (FP8 {'off' if fp8 == 'none' else fp8})"),
+        LogField("overlap", f"shared experts {on[pcfg.overlap]}, EP overlap {on[pcfg.ep_overlap]}, "
+                            f"chunks {pcfg.n_chunks}"),
+        LogField("schedule", f"{pcfg.schedule} ({pcfg.n_stages} stages)" if pcfg.pp > 1 else "none (PP=1)"),
+        LogField("recompute", str(pcfg.recompute)),
+        LogField("fsdp", on[bool(pcfg.fsdp)]),
+        LogField("lr", f"{tc.schedule} {tc.lr:g} -> {tc.min_lr:g}, warm-up {tc.warmup_steps}"
+                       if tc.schedule != "constant" else f"constant {tc.lr:g}, warm-up {tc.warmup_steps}"),
+        LogField("loss", f"lm + mtp ({m.mtp_loss_weight:g} x MTP CE) + bal ({m.balance_loss_alpha:g} x balance); "
+                         f"val is lm"),
+    ]
+
+
 def _announce(job: JobConfig, ctx: ParallelContext, model: ModelParts, sink: MetricsSink | NullSink,
               start_step: int, peak: tuple[float, str]) -> None:
     """The run's first console line and its "run" record."""
     pcfg = ctx.pcfg
     fpt = flops_per_token(job.model, job.data.seq_len)
     dispatcher = pcfg.dispatch_rows if pcfg.moves_tokens else "local"  # at EP 1 a permutation, no all-to-all
-    pipe = (f"PP={pcfg.pp} ({pcfg.schedule}, {pcfg.n_stages} stages) " if pcfg.pp > 1 else "")
-    sink.print(f"[moetrain] {ctx.world_size} ranks on {ctx.device.type} | {pipe}DP={pcfg.dp} EP={pcfg.ep} "
-               f"dispatcher={dispatcher} | precision {pcfg.run_precision(ctx.device.type)} | model {job.preset}: "
-               f"{local_numel(model):,} params on rank 0 | {_tokens_per_step(job, ctx):,} tokens/step "
-               f"| {fpt.megatron / 1e9:.3f} GFLOP/token (Megatron-Core) | peak {peak[0]:.3f} TFLOP/s "
-               f"({peak[1]})")
+    fields = [*_recipe_fields(job, ctx),
+              LogField(f"model {job.preset}:", f"{local_numel(model):,} params on rank 0"),
+              LogField("tokens/step", f"{_tokens_per_step(job, ctx):,}"),
+              LogField("GFLOP/token", f"{fpt.megatron / 1e9:.3f} (Megatron-Core)"),
+              LogField("peak", f"{peak[0]:.3f} TFLOP/s ({peak[1]})")]
+    sink.print("[moetrain] " + " | ".join(map(str, fields)))
     sink.write({"kind": "run", "step": start_step, "world": ctx.world_size, "dp": pcfg.dp, "ep": pcfg.ep,
                 "pp": pcfg.pp, "vpp": pcfg.stages_per_rank, "pp_schedule": pcfg.schedule,
                 "dispatcher": dispatcher, "preset": job.preset, "flops_per_token_megatron": fpt.megatron,
                 "flops_per_token_6n": fpt.six_n, "peak_tflops": peak[0], "peak_label": peak[1],
-                "config": job.to_dict()})
+                "precision": pcfg.run_precision(ctx.device.type),
+                "fp8_recipe": PLAN_PRECISION_TO_FP8.get(pcfg.precision, "none"), "config": job.to_dict()})
 
 
 def _callbacks(job: JobConfig, prep: PreparedData, ctx: ParallelContext, model: ModelParts, optimizer: Any,
@@ -292,18 +319,37 @@ def _fit(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: Any
         cb.post_train(loop)
 
 
-def _summary(job: JobConfig, ctx: ParallelContext, loop: LoopState) -> dict[str, Any]:
-    """The run's summary (returned, and its "summary" record), after the "done" line of a run that finished."""
+def _summary(job: JobConfig, ctx: ParallelContext, loop: LoopState, peak_tflops: float) -> dict[str, Any]:
+    """The run's summary: returned, its "summary" record, and the console's last line, printed however the run
+    ended (finished, resumed, stopped by a signal or the stop file): steps and tokens of this run, wall time, mean
+    training throughput (evaluation and checkpoints excluded) and MFU, the final train LM and validation losses,
+    where the checkpoint and the metrics are."""
     tc = job.train
     ckpt = loop.last_checkpoint
+    steps_run = loop.step - loop.start_step
+    tokens = steps_run * _tokens_per_step(job, ctx)
+    wall = time.perf_counter() - loop.wall_start
+    tok_s_gpu = tokens / loop.train_s / ctx.world_size if loop.train_s > 0 else 0.0
+    mfu = tok_s_gpu * flops_per_token(job.model, job.data.seq_len).megatron / 1e12 / peak_tflops
+    metrics = str(Path(tc.out_dir) / "metrics.jsonl")
     summary = {"steps": tc.steps, "start_step": loop.start_step, "val": loop.val, "train": loop.train,
                "world": ctx.world_size, "ep": ctx.pcfg.ep, "out_dir": tc.out_dir,
-               "checkpoint": str(ckpt) if ckpt else None, "stopped": loop.stopped}
-    vals = loop.val
-    if len(vals) >= 2 and not loop.stopped:
-        loop.sink.print(f"[moetrain] done: val loss {vals[0][1]:.4f} (step {vals[0][0]}) -> {vals[-1][1]:.4f} "
-                        f"(step {vals[-1][0]}); metrics in {tc.out_dir}/metrics.jsonl; checkpoint {ckpt}")
-    loop.sink.write({"kind": "summary", "step": tc.steps, **{k: v for k, v in summary.items() if k != "train"}})
+               "checkpoint": str(ckpt) if ckpt else None, "stopped": loop.stopped, "end_step": loop.step,
+               "tokens": tokens, "wall_s": wall, "train_s": loop.train_s, "tokens_per_s_per_gpu": tok_s_gpu,
+               "mfu": mfu, "train_lm": loop.train_lm[-1][1] if loop.train_lm else None,
+               "val_loss": loop.val[-1][1] if loop.val else None, "metrics": metrics}
+    how = (f"stopped ({loop.stopped['signal']}) at step {loop.step} of {tc.steps}" if loop.stopped
+           else f"done: step {loop.step} of {tc.steps}")
+    fields = [f"{steps_run} steps ({loop.start_step} -> {loop.step}) in {format_duration(wall)}",
+              f"{tokens:,} tokens", f"mean {tok_s_gpu:,.0f} tok/s/gpu, MFU {100 * mfu:.1f}%"]
+    if loop.train_lm:
+        fields.append(f"train lm {loop.train_lm[-1][1]:.4f} (step {loop.train_lm[-1][0]})")
+    if loop.val:
+        first = (f"{loop.val[0][1]:.4f} (step {loop.val[0][0]}) -> " if len(loop.val) > 1 else "")
+        fields.append(f"val lm loss {first}{loop.val[-1][1]:.4f} (step {loop.val[-1][0]})")
+    fields += [f"checkpoint {ckpt if ckpt else 'none written'}", f"metrics {metrics}"]
+    loop.sink.print(f"[moetrain] {how} | " + " | ".join(fields))
+    loop.sink.write({"kind": "summary", "step": loop.step, **{k: v for k, v in summary.items() if k != "train"}})
     loop.sink.close()
     return summary
 
@@ -326,7 +372,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     loader = train_loader(prep, job.data.seq_len, tc.micro_batch_size, ctx.data_rank, ctx.stage_size,
                           seed=job.data.seed)  # a MixtureLoader for data.sources
     start_step, last_ckpt = _resume(job, ctx, model, optimizer, loader, resume_from)
-    sink = MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step) if ctx.is_main else NullSink()
+    sink = (MetricsSink(tc.out_dir, tc.tensorboard, resume_step=start_step, wandb=tc.wandb, run_config=job.to_dict())
+            if ctx.is_main else NullSink())
     if ctx.is_main:
         save_job_config(job, Path(tc.out_dir) / "config.toml")
         keep_tokenizer(prep, tc.out_dir)
@@ -335,4 +382,4 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     loop = LoopState(tc.steps, start_step, sink, step=start_step, last_checkpoint=last_ckpt)
     callbacks = _callbacks(job, prep, ctx, model, optimizer, loader, stop, report_stop, amp, peak[0])
     _fit(job, ctx, model, optimizer, loader, amp, loop, callbacks, progress)
-    return _summary(job, ctx, loop)
+    return _summary(job, ctx, loop, peak[0])
