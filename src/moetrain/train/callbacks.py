@@ -21,7 +21,8 @@ from moetrain.model.moe import MoE
 from moetrain.parallel.hang import in_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.train.checkpoint import save_checkpoint
-from moetrain.train.metrics import MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb
+from moetrain.train.metrics import (ImbalanceWindow, MetricsSink, NullSink, StepMetrics, load_imbalance,
+                                    peak_memory_gb)
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
 from moetrain.train.stopping import StopRequest, resume_command, stop_line
@@ -111,6 +112,7 @@ class StepMetricsLogger(Callback):
         self.window_t: float | None = None
         self.paused_at: float | None = None
         self.window_steps, self.window_bubble = 0, 0.0
+        self.imbalance = ImbalanceWindow()
 
     def pre_step(self, loop: LoopState) -> None:
         now = time.perf_counter()
@@ -124,6 +126,7 @@ class StepMetricsLogger(Callback):
     def post_step(self, loop: LoopState, result: StepResult) -> None:
         self.window_steps += 1
         self.window_bubble += result.bubble_s
+        self.imbalance.add(result.imbalance)
         loop.sink.advance(f"loss {result.loss:.3f}")
         if loop.step % self.log_every == 0 or loop.last:
             m = self._metrics(loop, result)
@@ -161,7 +164,7 @@ class StepMetricsLogger(Callback):
             pp_bubble_s_per_step=self.window_bubble / n, pp_bubble_share=self.window_bubble / dt if dt > 0 else 0.0,
             pp_bubble_formula=self.bubble_formula, load_imbalance_max=max(imb) if imb else 1.0, load_imbalance=imb,
             dropped_tokens=result.dropped_tokens, peak_mem_gb=peak_memory_gb(self.ctx.device),
-            expert_load=result.tokens_per_expert_ME.tolist())
+            expert_load=result.tokens_per_expert_ME.tolist(), **self.imbalance.fields(n, dt))
 
 
 class Evaluation(Callback):

@@ -12,12 +12,13 @@ import json
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moetrain.parallel.imbalance import ImbalanceStep
 
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
@@ -82,6 +83,15 @@ class StepMetrics:
         dropped_tokens: token-expert assignments dropped by a capacity limit in the step.
         peak_mem_gb: peak memory of this process.
         expert_load: (M, E) tokens per expert of the step, summed over ranks.
+        ep_rows_imbalance_max, ep_rows_imbalance: max / mean rows per EP rank (rows its experts computed: one per
+            token-expert assignment, ``moetrain.parallel.imbalance``), the largest and per MoE layer of this
+            rank's stage, in the step; ep_rows_per_rank: those rows, [layer][EP rank].
+        imbalance_lost_ms, imbalance_lost_share: time per step lost to expert-load imbalance (expert time against
+            the mean and the combine wait it caused, measured; summed over this rank's MoE layers), and as a share
+            of the window's step time; imbalance_lost_share_per_layer: the same per MoE layer.
+        imbalance_expert_ms, imbalance_combine_wait_ms: its two measurements per step, summed over layers: max -
+            mean expert time over the EP ranks, and the largest combine wait beyond the least.
+        imbalance_moe_layers: global MoE index of each entry of the per-layer imbalance lists.
     """
 
     step: int
@@ -112,6 +122,15 @@ class StepMetrics:
     dropped_tokens: int
     peak_mem_gb: float
     expert_load: list[list[int]]
+    ep_rows_imbalance_max: float = 1.0
+    ep_rows_imbalance: list[float] = field(default_factory=list)
+    ep_rows_per_rank: list[list[int]] = field(default_factory=list)
+    imbalance_lost_ms: float = 0.0
+    imbalance_lost_share: float = 0.0
+    imbalance_lost_share_per_layer: list[float] = field(default_factory=list)
+    imbalance_expert_ms: float = 0.0
+    imbalance_combine_wait_ms: float = 0.0
+    imbalance_moe_layers: list[int] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
         """The JSONL record: ``{"kind": "train", <field>: <value>, ...}``."""
@@ -124,6 +143,7 @@ class StepMetrics:
                 f"{self.tokens_per_s_per_gpu:,.0f} tok/s/gpu | {self.tflops_per_gpu:.4f} TFLOP/s/gpu | MFU "
                 f"{100 * self.mfu:.1f}% | a2a {1e3 * self.a2a_s_per_step:.1f} ms/step "
                 f"({100 * self.a2a_exposed_share:.0f}% exposed) | load max/mean {self.load_imbalance_max:.2f}"
+                f" | lost {100 * self.imbalance_lost_share:.0f}% (imb)"
                 f" | drop {self.dropped_tokens} | mem {self.peak_mem_gb:.2f} GB"
                 + (f" | bubble {100 * self.pp_bubble_share:.0f}% (formula {100 * self.pp_bubble_formula:.0f}%)"
                    if pipelined else ""))
@@ -181,6 +201,11 @@ class MetricsSink:
                 for phase, (total, exposed) in phases.items():
                     self.tb.add_scalar(f"a2a/moe{m}/{phase}/total_s", total, step)
                     self.tb.add_scalar(f"a2a/moe{m}/{phase}/exposed_s", exposed, step)
+            layers = record.get("imbalance_moe_layers", [])
+            for m, share, rows in zip(layers, record.get("imbalance_lost_share_per_layer", []),
+                                      record.get("ep_rows_imbalance", [])):
+                self.tb.add_scalar(f"imbalance/moe{m}/lost_share", share, step)
+                self.tb.add_scalar(f"imbalance/moe{m}/ep_rows_max_over_mean", rows, step)
 
     def log_step(self, m: StepMetrics, pipelined: bool) -> None:
         """One step's metrics: the JSONL record, its TensorBoard scalars and the console line."""
@@ -225,3 +250,44 @@ def load_imbalance(tokens_per_expert_ME: torch.Tensor) -> list[float]:
     """max / mean tokens per expert, per MoE layer (1.0 = perfectly balanced)."""
     loads = tokens_per_expert_ME.float()
     return (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).tolist()
+
+
+class ImbalanceWindow:
+    """Time lost to expert-load imbalance over the steps of one metrics window (sums of each step's
+    :class:`~moetrain.parallel.imbalance.ImbalanceStep`), and the latest step's rows per EP rank."""
+
+    def __init__(self) -> None:
+        self.lost_s_M: list[float] = []
+        self.expert_s = self.wait_s = 0.0
+        self.last: ImbalanceStep | None = None
+
+    def reset(self) -> None:
+        self.lost_s_M, self.expert_s, self.wait_s, self.last = [], 0.0, 0.0, None
+
+    def add(self, step: ImbalanceStep | None) -> None:
+        if step is None:
+            return
+        lost = step.lost_s()
+        if len(lost) != len(self.lost_s_M):
+            self.lost_s_M = [0.0] * len(lost)
+        self.lost_s_M = [a + b for a, b in zip(self.lost_s_M, lost)]
+        self.expert_s += sum(step.expert_gap_s())
+        self.wait_s += sum(step.wait_caused_s())
+        self.last = step
+
+    def fields(self, n_steps: int, window_s: float) -> dict[str, Any]:
+        """The imbalance fields of :class:`StepMetrics` for a window of ``n_steps`` steps lasting ``window_s``
+        seconds, then start a new window."""
+        if self.last is None:
+            return {}
+        rows = self.last.rows_max_over_mean()
+        lost = sum(self.lost_s_M)
+        out = dict(ep_rows_imbalance_max=max(rows) if rows else 1.0, ep_rows_imbalance=rows,
+                   ep_rows_per_rank=self.last.rows_MR, imbalance_lost_ms=1e3 * lost / n_steps,
+                   imbalance_lost_share=lost / window_s if window_s > 0 else 0.0,
+                   imbalance_lost_share_per_layer=[v / window_s if window_s > 0 else 0.0 for v in self.lost_s_M],
+                   imbalance_expert_ms=1e3 * self.expert_s / n_steps,
+                   imbalance_combine_wait_ms=1e3 * self.wait_s / n_steps,
+                   imbalance_moe_layers=self.last.moe_layers)
+        self.reset()
+        return out
