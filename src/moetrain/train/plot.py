@@ -243,6 +243,7 @@ def imbalance_figure(records: list[dict]):
     per layer; None when no train record carries them. Layers are named by their global MoE index
     (``imbalance_moe_layers``: a pipeline stage logs its own layers)."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [r for r in _by_step(records, "train") if r.get("imbalance_lost_share_per_layer")]
     if not rows:
@@ -270,6 +271,7 @@ def imbalance_figure(records: list[dict]):
     ax_rows.set_ylabel("max / mean")
     ax_rows.set_title("rows per EP rank: max / mean (1 = balanced)")
     for a in (ax, ax_rows):
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))
         a.grid(alpha=0.3)
         a.legend(fontsize=8, ncol=2)
     return fig
