@@ -108,3 +108,13 @@ def test_skew_at_ep2_counts_rows_by_hand_and_loses_more_time_than_balanced():
     expert_R = [sum(s["expert_s"][m][r] for s in skewed[0]["steps"][1:] for m in (0, 1)) for r in (0, 1)]
     wait_R = [sum(s["wait_s"][m][r] for s in skewed[0]["steps"][1:] for m in (0, 1)) for r in (0, 1)]
     assert expert_R[0] > expert_R[1] and wait_R[1] > wait_R[0]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pcfg", [{"dispatcher": "alltoall"}, {"ep_overlap": True}])
+def test_rows_per_rank_by_hand_on_the_per_assignment_path_and_under_ep_overlap(pcfg):
+    for r in ok_values(run_ranks(2, imbalance_train_run, {"ep": 2, **pcfg}, "skewed", 1)):
+        (s,) = r["steps"]
+        tk = r["tokens_per_step"] * r["top_k"]
+        assert s["rows"] == [[tk, 0], [tk, 0], [3 * tk // 4, tk // 4], [3 * tk // 4, tk // 4]]
+        assert all(c > 0 for layer in s["expert_s"][2:] for c in layer) and all(v >= 0 for v in s["lost_s"])
