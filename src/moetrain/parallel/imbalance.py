@@ -12,7 +12,9 @@ step, per MoE layer:
   SwiGLU between them), plus its backward (from the gradient's arrival at the expert output to its departure from
   the expert input), on the clocks of :mod:`moetrain.parallel.timing`: CUDA events on a GPU, read after the step's
   end synchronisation; the host clock on a CPU. Under EP overlap the weight gradients run later, deferred
-  (``moetrain.model.phases.weight_grad``), and are not in the backward's interval.
+  (``moetrain.model.phases.weight_grad``), and are not in the backward's interval. FSDP's gather of the expert
+  weights (EDP > 1) falls inside the forward's interval; alike on every EP rank, it cancels in max - mean.
+  Activation recomputation runs the experts' forward again: its rows and time count again (they are computed).
 * **Combine wait per EP rank**: the exposed seconds of the layer's combine and of the dispatch's backward
   all-to-all (``DispatchStats.combine_wait_s``): the time the compute stood still for them.
 
@@ -47,7 +49,9 @@ from moetrain.parallel.timing import Clock, clock_for
 @dataclass
 class _Span:
     """Points of one expert computation (one dispatch chunk): forward start/end, backward start/end (None until
-    reached: a recomputed forward has no backward of its own, a forward without gradients none at all)."""
+    reached: a recomputed forward has no backward of its own, a forward without gradients none at all). The
+    backward's points are marked by tensor hooks (no autograd node): when the gradient of the expert output has
+    arrived (before the experts' backward) and when that of the expert input has been computed (after it)."""
 
     clock: Clock
     fwd_start: Any
@@ -55,13 +59,11 @@ class _Span:
     bwd_start: Any = None
     bwd_end: Any = None
 
+    def start_backward(self, grad: torch.Tensor) -> None:
+        self.bwd_start = self.clock.mark()
 
-def _mark_in_backward(t: torch.Tensor, span: _Span, which: str) -> None:
-    """Mark ``span.<which>`` when the gradient of ``t`` has been computed: on the expert output ("bwd_start") that
-    is before the experts' backward, on the expert input ("bwd_end") after it. A tensor hook adds no autograd node."""
-    def hook(grad: torch.Tensor) -> None:
-        setattr(span, which, span.clock.mark())
-    t.register_hook(hook)
+    def end_backward(self, grad: torch.Tensor) -> None:
+        self.bwd_end = self.clock.mark()
 
 
 class ExpertTimer:
@@ -82,12 +84,12 @@ class ExpertTimer:
         of the experts' backward will be marked when ``x_SD``'s gradient is computed. Returns ``x_SD``."""
         if not self.stats.recording:
             return x_SD
-        span = _Span(clock_for(x_SD.device), None)
-        span.fwd_start = span.clock.mark()
+        clock = clock_for(x_SD.device)
+        span = _Span(clock, clock.mark())
         self.spans.append(span)
         self.rows += x_SD.shape[0]
         if torch.is_grad_enabled() and x_SD.requires_grad:
-            _mark_in_backward(x_SD, span, "bwd_end")
+            x_SD.register_hook(span.end_backward)
         return x_SD
 
     def stop(self, y_SD: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ class ExpertTimer:
         span = self.spans[-1]
         span.fwd_end = span.clock.mark()
         if torch.is_grad_enabled() and y_SD.requires_grad:
-            _mark_in_backward(y_SD, span, "bwd_start")
+            y_SD.register_hook(span.start_backward)
         return y_SD
 
     def take(self) -> tuple[int, float, float]:

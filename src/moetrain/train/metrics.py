@@ -20,6 +20,7 @@ import torch
 
 from moetrain.parallel.imbalance import ImbalanceStep
 
+
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                         repeats: int = 5) -> float:
     """Measured dense matmul rate of this process (TFLOP/s), the CPU's practical peak for MFU."""
