@@ -25,13 +25,13 @@ SKEWED_EXPERTS = ((0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 8), (0, 1, 2, 8))
 def imbalance_train_run(pcfg_kwargs: dict, routing: str, steps: int = 3, expert_ffn_dim: int = 64,
                         ) -> dict[str, Any]:
     """Train the tiny model ``steps`` steps with routing "skewed" (every token to its layer's
-    :data:`SKEWED_EXPERTS`),
-    "learned" or "balanced"; return every step's imbalance figures, their time and the step's wall time."""
+    :data:`SKEWED_EXPERTS`), "learned", "balanced" or "alternate" (skewed on even steps, balanced on odd ones: both
+    under the same load of the host); return every step's routing and imbalance figures and its wall time."""
     cfg = tiny_test_config(bias_update_rate=0.0, expert_ffn_dim=expert_ffn_dim,
                            routing="balanced" if routing == "balanced" else "learned")
     ctx = init_parallel(ParallelConfig(**pcfg_kwargs), cfg.n_routed_experts, device="cpu")
     model = build_model(cfg, seed=0)
-    if routing == "skewed":
+    if routing in ("skewed", "alternate"):
         with torch.no_grad():
             for moe, experts in zip(model.moe_layers(), SKEWED_EXPERTS, strict=True):
                 moe.gate.expert_bias.zero_()
@@ -42,12 +42,18 @@ def imbalance_train_run(pcfg_kwargs: dict, routing: str, steps: int = 3, expert_
     per_rank = GLOBAL_SEQS // ctx.world_size
     out: list[dict[str, Any]] = []
     for step in range(steps):
+        this = routing
+        if routing == "alternate":
+            this = "balanced" if step % 2 else "skewed"
+            for moe in model.moe_layers():
+                moe.gate.routing = "balanced" if step % 2 else "learned"
         data = global_batch(step, cfg.vocab_size)[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
         mbs = [(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(2)]
         t0 = time.perf_counter()
         r = train_step(mp, opt, mbs, cfg, ctx)
         dt = time.perf_counter() - t0
         imb = r.imbalance
-        out.append({"step_s": dt, "layers": imb.moe_layers, "rows": imb.rows_MR, "expert_s": imb.expert_s_MR,
-                    "wait_s": imb.wait_s_MR, "rows_ratio": imb.rows_max_over_mean(), "lost_s": imb.lost_s()})
+        out.append({"routing": this, "step_s": dt, "layers": imb.moe_layers, "rows": imb.rows_MR,
+                    "expert_s": imb.expert_s_MR, "wait_s": imb.wait_s_MR, "rows_ratio": imb.rows_max_over_mean(),
+                    "lost_s": imb.lost_s()})
     return {"steps": out, "tokens_per_step": GLOBAL_SEQS * SEQ_LEN, "top_k": cfg.top_k, "ep_rank": ctx.ep_rank}
