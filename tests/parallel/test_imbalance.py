@@ -16,6 +16,7 @@ from moetrain.train.metrics import ImbalanceWindow, StepMetrics
 from .fake_events import FakeApi
 from .harness import ok_values, run_ranks, run_single
 from .imbalance_workers import SKEWED_EXPERTS, imbalance_train_run
+from .workers import GLOBAL_SEQS
 
 
 def test_lost_time_per_layer_by_hand():
@@ -85,9 +86,10 @@ def test_single_process_reports_nothing_lost():
 
 @pytest.mark.dist
 def test_skew_at_ep2_counts_rows_by_hand_and_loses_more_time_than_balanced():
-    # Skewed and balanced routing alternate step by step in one run, so both meet the same load of the host, with
-    # larger experts than the tiny preset's so that their compute stands out of its noise.
-    ranks = ok_values(run_ranks(2, imbalance_train_run, {"ep": 2}, "alternate", 7, 1024))
+    # Skewed and balanced routing alternate step by step in one run, so both meet the same load of the host. Four
+    # times the tokens of the other tests, so that the experts' time follows their rows more than their weights
+    # (FSDP's copies, the weight gradients of experts without rows).
+    ranks = ok_values(run_ranks(2, imbalance_train_run, {"ep": 2}, "alternate", 9, 256, 4 * GLOBAL_SEQS))
     assert ranks[0]["steps"] == [{**s, "step_s": s0["step_s"]} for s, s0 in zip(ranks[1]["steps"], ranks[0]["steps"])]
     r = ranks[0]
     tk = r["tokens_per_step"] * r["top_k"]  # assignments per MoE layer and step, all ranks
@@ -96,7 +98,7 @@ def test_skew_at_ep2_counts_rows_by_hand_and_loses_more_time_than_balanced():
     assert hand == [[tk, 0], [tk, 0], [3 * tk // 4, tk // 4], [3 * tk // 4, tk // 4]]
     skewed = [s for s in r["steps"][1:] if s["routing"] == "skewed"]  # after the first step (warm-up)
     balanced = [s for s in r["steps"][1:] if s["routing"] == "balanced"]
-    assert len(skewed) == len(balanced) == 3
+    assert len(skewed) == len(balanced) == 4
     for s in skewed:
         assert s["layers"] == [0, 1, 2, 3] and s["rows"] == hand and s["rows_ratio"] == [2.0, 2.0, 1.5, 1.5]
     for s in balanced:
