@@ -58,5 +58,6 @@ def imbalance_train_run(pcfg_kwargs: dict, routing: str, steps: int = 3, expert_
         imb = r.imbalance
         out.append({"routing": this, "step_s": dt, "layers": imb.moe_layers, "rows": imb.rows_MR,
                     "expert_s": imb.expert_s_MR, "wait_s": imb.wait_s_MR, "rows_ratio": imb.rows_max_over_mean(),
+                    "rows_step_ratio": imb.rows_step_max_over_mean(),
                     "lost_s": imb.lost_s()})
     return {"steps": out, "tokens_per_step": seqs * SEQ_LEN, "top_k": cfg.top_k, "ep_rank": ctx.ep_rank}

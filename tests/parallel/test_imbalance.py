@@ -28,12 +28,14 @@ def test_lost_time_per_layer_by_hand():
                          expert_s_MR=[[0.030, 0.010], [0.010, 0.010], [0.004, 0.004]],
                          wait_s_MR=[[0.002, 0.020], [0.001, 0.006], [0.003, 0.003]])
     assert step.rows_max_over_mean() == [1.5, 1.0, 1.0]
+    assert step.rows_step_max_over_mean() == pytest.approx(42 / 32)  # rows of all layers: 42 and 22
     assert step.lost_s() == pytest.approx([0.010, 0.005, 0.0])
     assert step.expert_gap_s() == pytest.approx([0.010, 0.0, 0.0])
     assert step.wait_caused_s() == pytest.approx([0.018, 0.005, 0.0])
     # without EP nothing is measured and nothing is lost
     none = ImbalanceStep([0, 1])
     assert none.rows_max_over_mean() == [1.0, 1.0] and none.lost_s() == [0.0, 0.0]
+    assert none.rows_step_max_over_mean() == 1.0
 
 
 def test_metrics_window_gives_share_of_the_step_and_resets():
@@ -46,6 +48,7 @@ def test_metrics_window_gives_share_of_the_step_and_resets():
     assert f["imbalance_lost_share"] == pytest.approx(0.05)  # 20 ms of 400 ms
     assert f["imbalance_lost_share_per_layer"] == pytest.approx([0.05, 0.0])
     assert f["ep_rows_imbalance"] == [1.5, 1.0] and f["ep_rows_imbalance_max"] == 1.5
+    assert f["ep_rows_imbalance_step"] == pytest.approx(10 / 8)
     assert f["ep_rows_per_rank"] == [[6, 2], [4, 4]] and f["imbalance_moe_layers"] == [3, 4]
     assert f["imbalance_expert_ms"] == pytest.approx(10.0) and f["imbalance_combine_wait_ms"] == pytest.approx(20.0)
     assert w.fields(1, 1.0) == {}  # a new window: nothing until the next step
@@ -101,8 +104,9 @@ def test_skew_at_ep2_counts_rows_by_hand_and_loses_more_time_than_balanced():
     assert len(skewed) == len(balanced) == 4
     for s in skewed:
         assert s["layers"] == [0, 1, 2, 3] and s["rows"] == hand and s["rows_ratio"] == [2.0, 2.0, 1.5, 1.5]
+        assert s["rows_step_ratio"] == 1.75  # 3.5 tk of 4 tk on rank 0
     for s in balanced:
-        assert s["rows"] == [[tk // 2, tk // 2]] * 4 and s["rows_ratio"] == [1.0] * 4
+        assert s["rows"] == [[tk // 2, tk // 2]] * 4 and s["rows_ratio"] == [1.0] * 4 and s["rows_step_ratio"] == 1.0
     # Time lost per step, summed over layers. A busy host only adds waits (a rank taken off its core keeps the other
     # waiting), to either kind of step: the least of each kind compares the imbalance itself.
     lost_skewed = min(sum(s["lost_s"]) for s in skewed)

@@ -23,7 +23,7 @@ TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "gr
               "a2a_exposed_s_per_layer", "a2a_s_per_layer_phase", "dispatch_bytes_per_step",
               "dispatch_remote_bytes_per_step", "pp_bubble_s_per_step", "pp_bubble_share", "pp_bubble_formula",
               "load_imbalance_max", "load_imbalance", "dropped_tokens", "peak_mem_gb", "expert_load",
-              "ep_rows_imbalance_max", "ep_rows_imbalance", "ep_rows_per_rank", "imbalance_lost_ms",
+              "ep_rows_imbalance_max", "ep_rows_imbalance", "ep_rows_imbalance_step", "ep_rows_per_rank", "imbalance_lost_ms",
               "imbalance_lost_share", "imbalance_lost_share_per_layer", "imbalance_expert_ms",
               "imbalance_combine_wait_ms", "imbalance_moe_layers"]
 
@@ -37,7 +37,7 @@ def _metrics(**kw) -> StepMetrics:
                 dispatch_remote_bytes_per_step=5.0, pp_bubble_s_per_step=0.1, pp_bubble_share=0.2,
                 pp_bubble_formula=0.25, load_imbalance_max=1.5, load_imbalance=[1.5, 1.25], dropped_tokens=3,
                 peak_mem_gb=0.75, expert_load=[[1, 2], [3, 4]], ep_rows_imbalance_max=1.5,
-                ep_rows_imbalance=[1.5, 1.0], ep_rows_per_rank=[[6, 2], [4, 4]], imbalance_lost_ms=12.5,
+                ep_rows_imbalance=[1.5, 1.0], ep_rows_imbalance_step=1.25, ep_rows_per_rank=[[6, 2], [4, 4]], imbalance_lost_ms=12.5,
                 imbalance_lost_share=0.125, imbalance_lost_share_per_layer=[0.1, 0.025], imbalance_expert_ms=10.0,
                 imbalance_combine_wait_ms=4.0, imbalance_moe_layers=[0, 1])
     base.update(kw)

@@ -145,6 +145,12 @@ class ImbalanceStep:
             out.append(max(rows) / mean if mean > 0 else 1.0)
         return out + [1.0] * (len(self.moe_layers) - len(out))
 
+    def rows_step_max_over_mean(self) -> float:
+        """max / mean over the EP ranks of their rows summed over the layers (1.0 without EP or rows)."""
+        total_R = [sum(col) for col in zip(*self.rows_MR)]
+        mean = sum(total_R) / len(total_R) if total_R else 0.0
+        return max(total_R) / mean if mean > 0 else 1.0
+
     def expert_gap_s(self) -> list[float]:
         """max - mean expert seconds over the EP ranks, per layer."""
         return [max(c) - sum(c) / len(c) if c else 0.0 for c in self._padded(self.expert_s_MR)]

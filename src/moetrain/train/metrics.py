@@ -86,7 +86,8 @@ class StepMetrics:
         expert_load: (M, E) tokens per expert of the step, summed over ranks.
         ep_rows_imbalance_max, ep_rows_imbalance: max / mean rows per EP rank (rows its experts computed: one per
             token-expert assignment, ``moetrain.parallel.imbalance``), the largest and per MoE layer of this
-            rank's stage, in the step; ep_rows_per_rank: those rows, [layer][EP rank].
+            rank's stage, in the step; ep_rows_imbalance_step: the same of the rows summed over those layers;
+            ep_rows_per_rank: those rows, [layer][EP rank].
         imbalance_lost_ms, imbalance_lost_share: time per step lost to expert-load imbalance (expert time against
             the mean and the combine wait it caused, measured; summed over this rank's MoE layers), and as a share
             of the window's step time; imbalance_lost_share_per_layer: the same per MoE layer.
@@ -125,6 +126,7 @@ class StepMetrics:
     expert_load: list[list[int]]
     ep_rows_imbalance_max: float = 1.0
     ep_rows_imbalance: list[float] = field(default_factory=list)
+    ep_rows_imbalance_step: float = 1.0
     ep_rows_per_rank: list[list[int]] = field(default_factory=list)
     imbalance_lost_ms: float = 0.0
     imbalance_lost_share: float = 0.0
@@ -284,6 +286,7 @@ class ImbalanceWindow:
         rows = self.last.rows_max_over_mean()
         lost = sum(self.lost_s_M)
         out = dict(ep_rows_imbalance_max=max(rows) if rows else 1.0, ep_rows_imbalance=rows,
+                   ep_rows_imbalance_step=self.last.rows_step_max_over_mean(),
                    ep_rows_per_rank=self.last.rows_MR, imbalance_lost_ms=1e3 * lost / n_steps,
                    imbalance_lost_share=lost / window_s if window_s > 0 else 0.0,
                    imbalance_lost_share_per_layer=[v / window_s if window_s > 0 else 0.0 for v in self.lost_s_M],
