@@ -23,7 +23,10 @@ TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "gr
               "a2a_exposed_s_per_layer", "a2a_s_per_layer_phase", "dispatch_bytes_per_step",
               "dispatch_remote_bytes_per_step", "pp_bubble_s_per_step", "pp_bubble_share", "pp_bubble_formula",
               "load_imbalance_max", "load_imbalance", "dropped_tokens", "peak_mem_gb", "expert_load", "total_steps",
-              "mtp_term", "balance_term", "eta_s", "peak_mem_kind"]
+              "mtp_term", "balance_term", "eta_s", "peak_mem_kind", "ep_rows_imbalance_max", "ep_rows_imbalance",
+              "ep_rows_imbalance_step", "ep_rows_per_rank", "imbalance_lost_ms", "imbalance_lost_share",
+              "imbalance_lost_share_per_layer", "imbalance_expert_ms", "imbalance_combine_wait_ms",
+              "imbalance_moe_layers"]
 
 
 def _metrics(**kw) -> StepMetrics:
@@ -35,7 +38,10 @@ def _metrics(**kw) -> StepMetrics:
                 dispatch_remote_bytes_per_step=5.0, pp_bubble_s_per_step=0.1, pp_bubble_share=0.2,
                 pp_bubble_formula=0.25, load_imbalance_max=1.5, load_imbalance=[1.5, 1.25], dropped_tokens=3,
                 peak_mem_gb=0.75, expert_load=[[1, 2], [3, 4]], total_steps=400, mtp_term=2.25,
-                balance_term=4.125e-4, eta_s=3725.0, peak_mem_kind=MemoryKind.CPU_PEAK_RSS)
+                balance_term=4.125e-4, eta_s=3725.0, peak_mem_kind=MemoryKind.CPU_PEAK_RSS, ep_rows_imbalance_max=1.5,
+                ep_rows_imbalance=[1.5, 1.0], ep_rows_imbalance_step=1.25, ep_rows_per_rank=[[6, 2], [4, 4]],
+                imbalance_lost_ms=12.5, imbalance_lost_share=0.125, imbalance_lost_share_per_layer=[0.1, 0.025],
+                imbalance_expert_ms=10.0, imbalance_combine_wait_ms=4.0, imbalance_moe_layers=[0, 1])
     base.update(kw)
     return StepMetrics(**base)
 
@@ -53,7 +59,8 @@ def test_step_metrics_console_line():
     line = m.console_line(pipelined=False)
     assert line == ("step     7/400 | loss 9.5000 = lm 7.2500 + mtp 2.2500 + bal 0.0004 | gnorm 1.25 | lr 1.00e-03 | "
                     "step time 500 ms | tok/s/gpu 1,234 | TFLOP/s/gpu 0.0125 | MFU 25.0% | ETA 1h02m05s | "
-                    "a2a 2.0 ms/step (50% exposed = 0.2% of step) | load max/mean 1.50 | drop 3 | mem 0.75 GB peak RSS")
+                    "a2a 2.0 ms/step (50% exposed = 0.2% of step) | load max/mean 1.50 | lost 12% (imb) | drop 3 | "
+                    "mem 0.75 GB peak RSS")
     assert m.console_line(pipelined=True) == line + " | bubble 20% (formula 25%)"
 
 

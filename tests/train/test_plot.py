@@ -26,13 +26,19 @@ LOADS = {  # step -> [layer 1, layer 2, MTP 1] x 4 experts
     20: [[10, 10, 10, 10], [10, 10, 10, 10], [11, 10, 10, 9]],
 }
 
+IMBALANCE = {  # step -> the imbalance telemetry of an EP run: lost share per MoE layer, max/mean rows per EP rank
+    s: {"imbalance_moe_layers": [0, 1, 2], "imbalance_lost_share_per_layer": [0.1 / (i + 1), 0.02, 0.05],
+        "imbalance_lost_share": 0.1 / (i + 1) + 0.07, "ep_rows_imbalance": [2.0 - 0.25 * i, 1.0, 1.5]}
+    for i, s in enumerate(STEPS)}
+
 
 def _records() -> list[dict]:
     recs: list[dict] = [{"kind": "run", "step": 0, "config": {"model": MODEL, "train": {"max_grad_norm": 1.0}}},
                         {"kind": "val", "step": 0, "val_loss": 7.0}]
     for i, s in enumerate(STEPS):
         recs.append({"kind": "train", "step": s, "loss": 8.0 - i, "lm_loss": 6.0 - i, "mtp_loss": 6.5 - i,
-                     "grad_norm": 2.0 - 0.3 * i, "lr": 1e-3 * (i + 1) / len(STEPS), "expert_load": LOADS[s]})
+                     "grad_norm": 2.0 - 0.3 * i, "lr": 1e-3 * (i + 1) / len(STEPS), "expert_load": LOADS[s],
+                     **IMBALANCE[s]})
     recs.append({"kind": "val", "step": 20, "val_loss": 4.0})
     return recs
 
@@ -141,7 +147,7 @@ def test_labels_without_config_and_resumed_steps():
 def test_no_expert_load_only_loss(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
-    recs = [{k: v for k, v in r.items() if k != "expert_load"} for r in _records()]
+    recs = [{k: v for k, v in r.items() if k != "expert_load" and k not in IMBALANCE[STEPS[0]]} for r in _records()]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
     assert plot_run(d) == [d / "loss.png"]
     assert len(read_metrics(d)) == len(recs)
@@ -169,3 +175,14 @@ def test_plan_breakdown_legend_off_the_axes(rows):
         assert ax.get_ylim() == (rows - 0.5, -0.5)
     finally:
         plt.close(fig)
+
+
+def test_imbalance_figure_plots_lost_share_per_layer(figs):
+    ax = _ax(figs["imbalance.png"], "lost_share")
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"layer 1", "layer 2", "MTP 1", "all layers"}
+    assert list(lines["layer 1"].get_xdata()) == STEPS
+    assert np.allclose(lines["layer 1"].get_ydata(), [100 * 0.1 / (i + 1) for i in range(len(STEPS))])
+    assert np.allclose(lines["all layers"].get_ydata(), [100 * (0.1 / (i + 1) + 0.07) for i in range(len(STEPS))])
+    rows = {ln.get_label(): ln for ln in _ax(figs["imbalance.png"], "ep_rows").get_lines()}
+    assert np.allclose(rows["MTP 1"].get_ydata(), [1.5] * len(STEPS))

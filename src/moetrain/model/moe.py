@@ -516,6 +516,9 @@ class DispatchStats:
     recording: bool = True
     # Device-timed collectives of the current step, read by settle(): (phase, () -> (a2a s, exposed s)).
     unsettled: list[tuple[str, Callable[[], tuple[float, float]]]] = field(default_factory=list)
+    # Exposed seconds of the combine and of the dispatch's backward (where ranks wait for the slowest rank's
+    # experts), since the imbalance telemetry last took them (moetrain.parallel.imbalance).
+    combine_wait_s: float = 0.0
 
     #: Phases of an MoE layer's all-to-alls: the count exchange, the dispatch (token rows and their metadata), the
     #: combine, and the backward of dispatch and combine.
@@ -529,6 +532,8 @@ class DispatchStats:
         t = self.by_phase.setdefault(key, [0.0, 0.0])
         t[0] += a2a_s
         t[1] += exposed_s
+        if key in ("combine", "dispatch backward"):
+            self.combine_wait_s += exposed_s
 
     def add_later(self, phase: str, read: Callable[[], tuple[float, float]]) -> None:
         """Record a collective whose times are read later (CUDA events, ``moetrain.parallel.timing``): ``read()``

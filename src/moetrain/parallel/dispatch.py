@@ -65,6 +65,7 @@ from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, cap
 from moetrain.model.phases import carry, current_tape
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
 from moetrain.parallel.hang import in_phase
+from moetrain.parallel.imbalance import ExpertTimer
 from moetrain.precision.quant import FP8_DTYPE, Quantized, quantise
 
 #: Wire formats of the dispatched token rows (``parallel.dispatch_dtype``): "bf16" sends the rows in the
@@ -106,7 +107,7 @@ class _DispatchHandle:
             # A local expert can receive up to `capacity` rows from each of the R source ranks.
             x_local, tokens_per_local_expert, self.state.pad_slots = pad_to_capacity(
                 x_local, tokens_per_local_expert, self.capacity * self.owner.ep_size)
-        return x_local, tokens_per_local_expert, self.state
+        return self.owner.expert_timer.start(x_local), tokens_per_local_expert, self.state
 
 
 class _CombineHandle:
@@ -148,8 +149,10 @@ class _DedupState:
 
 class _DedupDispatchHandle:
     def __init__(self, rows_ND: torch.Tensor, weight_NK: torch.Tensor, local_NK: torch.Tensor,
-                 pendings: list[Pending], recv_counts_RC: torch.Tensor, n_assign: int, state: _DedupState):
+                 pendings: list[Pending], recv_counts_RC: torch.Tensor, n_assign: int, state: _DedupState,
+                 expert_timer: ExpertTimer):
         self.rows_ND, self.weight_NK, self.local_NK, self.pendings = rows_ND, weight_NK, local_NK, pendings
+        self.expert_timer = expert_timer
         self.recv_counts_RC, self.n_assign, self.state = recv_counts_RC, n_assign, state
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor, _DedupState]:
@@ -167,7 +170,7 @@ class _DedupDispatchHandle:
         st = self.state
         st.row_A, st.weight_A, st.n_recv = row_A, self.weight_NK.reshape(-1)[order_A], self.rows_ND.shape[0]
         tokens_per_local_expert_El = self.recv_counts_RC[:, 1:].sum(dim=0)
-        return self.rows_ND[row_A], tokens_per_local_expert_El, st
+        return self.expert_timer.start(self.rows_ND[row_A]), tokens_per_local_expert_El, st
 
 
 class _DedupCombineHandle:
@@ -301,6 +304,8 @@ class AllToAllDispatcher:
         self.overlap = overlap
         self.dedup = dedup and self.capacity.factor is None
         self.stats = DispatchStats(layer=0)
+        # Rows and compute time of this rank's experts, for the imbalance telemetry (moetrain.parallel.imbalance).
+        self.expert_timer = ExpertTimer(self.stats)
 
     @property
     def layer(self) -> int:
@@ -336,6 +341,7 @@ class AllToAllDispatcher:
 
     def combine(self, y_local: torch.Tensor, state: _A2AState | _DedupState
                 ) -> _CombineHandle | _DedupCombineHandle:
+        y_local = self.expert_timer.stop(y_local)
         if isinstance(state, _DedupState):
             return self._combine_dedup(y_local, state)
         if state.pad_slots is not None:
@@ -396,7 +402,7 @@ class AllToAllDispatcher:
         state = _DedupState(token_S, send_splits, recv_splits, T, x_TD.dtype)
         self._boundary("dispatch")
         return _DedupDispatchHandle(rows_ND, weight_NK, local_NK, [pend_w, pend_l, pend_x], recv_counts_RC,
-                                    sum(recv_assign), state)
+                                    sum(recv_assign), state, self.expert_timer)
 
     def _combine_dedup(self, y_AD: torch.Tensor, state: _DedupState) -> _DedupCombineHandle:
         """Gate-weight every local assignment's output and sum them per received row, so each (token, rank) pair

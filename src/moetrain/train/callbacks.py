@@ -24,8 +24,8 @@ from moetrain.model.moe import MoE
 from moetrain.parallel.hang import in_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.train.checkpoint import save_checkpoint
-from moetrain.train.metrics import (MetricsSink, NullSink, StepMetrics, load_imbalance, peak_memory_gb, val_line,
-                                    val_record)
+from moetrain.train.metrics import (ImbalanceWindow, MetricsSink, NullSink, StepMetrics, load_imbalance,
+                                    peak_memory_gb, val_line, val_record)
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
 from moetrain.train.stopping import StopRequest, resume_command, stop_line
@@ -123,6 +123,7 @@ class StepMetricsLogger(Callback):
         self.step_t = 0.0
         self.loop_t = 0.0
         self.window_steps, self.window_bubble = 0, 0.0
+        self.imbalance = ImbalanceWindow()
 
     def pre_step(self, loop: LoopState) -> None:
         now = time.perf_counter()
@@ -138,6 +139,7 @@ class StepMetricsLogger(Callback):
         loop.train_s += time.perf_counter() - self.step_t
         self.window_steps += 1
         self.window_bubble += result.bubble_s
+        self.imbalance.add(result.imbalance)
         loop.sink.advance(f"loss {result.loss:.3f}")
         if loop.step % self.log_every == 0 or loop.last:
             m = self._metrics(loop, result)
@@ -181,7 +183,7 @@ class StepMetricsLogger(Callback):
             pp_bubble_formula=self.bubble_formula, load_imbalance_max=max(imb) if imb else 1.0, load_imbalance=imb,
             dropped_tokens=result.dropped_tokens, peak_mem_gb=mem_gb,
             expert_load=result.tokens_per_expert_ME.tolist(), total_steps=loop.steps, mtp_term=result.mtp_term,
-            balance_term=result.balance_term, eta_s=eta, peak_mem_kind=mem_kind)
+            balance_term=result.balance_term, eta_s=eta, peak_mem_kind=mem_kind, **self.imbalance.fields(n, dt))
 
 
 class Evaluation(Callback):

@@ -14,13 +14,14 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moetrain.parallel.imbalance import ImbalanceStep
 from moetrain.train.trackers import TensorBoardTracker, Tracker, WandbTracker, tracker_scalars
 
 def matmul_probe_tflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
@@ -122,6 +123,18 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("balance_term", "bal", "balance_loss times model.balance_loss_alpha: the balance part of loss"),
     Metric("eta_s", "ETA", "estimated seconds to the last step at this run's pace (evaluation, checkpoints in)"),
     Metric("peak_mem_kind", "mem kind", "which memory peak_mem_gb is (MemoryKind)"),
+    Metric("ep_rows_imbalance_max", "rows max/mean", "max / mean rows per EP rank (one row per token-expert "
+           "assignment its experts computed), the largest over this rank's MoE layers in the step"),
+    Metric("ep_rows_imbalance", "rows max/mean per layer", "max / mean rows per EP rank, per MoE layer"),
+    Metric("ep_rows_imbalance_step", "rows max/mean step", "max / mean rows per EP rank, rows summed over layers"),
+    Metric("ep_rows_per_rank", "rows per rank", "rows each EP rank's experts computed, [layer][EP rank]"),
+    Metric("imbalance_lost_ms", "lost ms", "ms per step lost to expert-load imbalance (expert time against the mean "
+           "plus the combine wait it caused, measured, summed over this rank's MoE layers)"),
+    Metric("imbalance_lost_share", "lost", "share of the step time lost to expert-load imbalance"),
+    Metric("imbalance_lost_share_per_layer", "lost per layer", "share of the step lost to imbalance, per MoE layer"),
+    Metric("imbalance_expert_ms", "imb expert ms", "max - mean expert compute time over EP ranks, ms per step"),
+    Metric("imbalance_combine_wait_ms", "imb wait ms", "largest combine wait beyond the least, ms per step"),
+    Metric("imbalance_moe_layers", "imb layers", "global MoE index of each entry of the per-layer imbalance lists"),
 )
 #: The metrics of a "val" record (after its ``step``).
 VAL_METRICS: tuple[Metric, ...] = (
@@ -212,6 +225,16 @@ class StepMetrics:
     balance_term: float
     eta_s: float
     peak_mem_kind: MemoryKind
+    ep_rows_imbalance_max: float = 1.0
+    ep_rows_imbalance: list[float] = field(default_factory=list)
+    ep_rows_imbalance_step: float = 1.0
+    ep_rows_per_rank: list[list[int]] = field(default_factory=list)
+    imbalance_lost_ms: float = 0.0
+    imbalance_lost_share: float = 0.0
+    imbalance_lost_share_per_layer: list[float] = field(default_factory=list)
+    imbalance_expert_ms: float = 0.0
+    imbalance_combine_wait_ms: float = 0.0
+    imbalance_moe_layers: list[int] = field(default_factory=list)
 
     def record(self) -> dict[str, Any]:
         """The JSONL record: ``{"kind": "train", <field>: <value>, ...}`` (``peak_mem_kind`` as its string)."""
@@ -235,6 +258,7 @@ class StepMetrics:
             f("a2a_s_per_step", f"{1e3 * self.a2a_s_per_step:.1f} ms/step ({100 * self.a2a_exposed_share:.0f}% "
                                 f"exposed = {100 * self.a2a_share_of_step:.1f}% of step)"),
             f("load_imbalance_max", f"{self.load_imbalance_max:.2f}"),
+            f("imbalance_lost_share", f"{100 * self.imbalance_lost_share:.0f}% (imb)"),
             f("dropped_tokens", f"{self.dropped_tokens}"),
             f("peak_mem_gb", f"{self.peak_mem_gb:.2f} GB {self.peak_mem_kind.label}"),
         ]
@@ -351,3 +375,45 @@ def load_imbalance(tokens_per_expert_ME: torch.Tensor) -> list[float]:
     """max / mean tokens per expert, per MoE layer (1.0 = perfectly balanced)."""
     loads = tokens_per_expert_ME.float()
     return (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).tolist()
+
+
+class ImbalanceWindow:
+    """Time lost to expert-load imbalance over the steps of one metrics window (sums of each step's
+    :class:`~moetrain.parallel.imbalance.ImbalanceStep`), and the latest step's rows per EP rank."""
+
+    def __init__(self) -> None:
+        self.lost_s_M: list[float] = []
+        self.expert_s = self.wait_s = 0.0
+        self.last: ImbalanceStep | None = None
+
+    def reset(self) -> None:
+        self.lost_s_M, self.expert_s, self.wait_s, self.last = [], 0.0, 0.0, None
+
+    def add(self, step: ImbalanceStep | None) -> None:
+        if step is None:
+            return
+        lost = step.lost_s()
+        if len(lost) != len(self.lost_s_M):
+            self.lost_s_M = [0.0] * len(lost)
+        self.lost_s_M = [a + b for a, b in zip(self.lost_s_M, lost)]
+        self.expert_s += sum(step.expert_gap_s())
+        self.wait_s += sum(step.wait_caused_s())
+        self.last = step
+
+    def fields(self, n_steps: int, window_s: float) -> dict[str, Any]:
+        """The imbalance fields of :class:`StepMetrics` for a window of ``n_steps`` steps lasting ``window_s``
+        seconds, then start a new window."""
+        if self.last is None:
+            return {}
+        rows = self.last.rows_max_over_mean()
+        lost = sum(self.lost_s_M)
+        out = dict(ep_rows_imbalance_max=max(rows) if rows else 1.0, ep_rows_imbalance=rows,
+                   ep_rows_imbalance_step=self.last.rows_step_max_over_mean(),
+                   ep_rows_per_rank=self.last.rows_MR, imbalance_lost_ms=1e3 * lost / n_steps,
+                   imbalance_lost_share=lost / window_s if window_s > 0 else 0.0,
+                   imbalance_lost_share_per_layer=[v / window_s if window_s > 0 else 0.0 for v in self.lost_s_M],
+                   imbalance_expert_ms=1e3 * self.expert_s / n_steps,
+                   imbalance_combine_wait_ms=1e3 * self.wait_s / n_steps,
+                   imbalance_moe_layers=self.last.moe_layers)
+        self.reset()
+        return out

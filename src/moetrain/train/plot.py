@@ -8,6 +8,9 @@ Three figures (:func:`build_figures` returns them for inspection, :func:`plot_ru
   step (columns): 1.0 is perfect balance; the hottest expert of a layer sets its all-to-all and GEMM time.
 * ``expert_share.png`` -- one panel per MoE layer: each routed expert's share of the layer's routed tokens
   (tokens of the expert / tokens of the layer) at every logged step; the colour is centred on the uniform share 1/E.
+* ``imbalance.png`` -- the share of the step lost to expert-load imbalance per MoE layer (and their sum) over the
+  logged steps, and beside it max/mean rows per EP rank per layer (``moetrain.parallel.imbalance``); runs with
+  expert parallelism only.
 
 Rows of ``expert_load`` in the train records are the model's ``moe_layers()`` order: the MoE blocks of the main model
 (transformer layers ``n_dense_layers .. n_layers-1``), then one per MTP module. The run record's model config names
@@ -21,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-FILES = ("loss.png", "expert_load.png", "expert_share.png")
+FILES = ("loss.png", "expert_load.png", "expert_share.png", "imbalance.png")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -228,7 +231,50 @@ def build_figures(records: list[dict], title: str = "") -> dict[str, Any]:
         cbar.set_ticks(ticks, labels=["0", f"{uniform / 2:.3g}", f"1/{E}", f"{ticks[3]:.3g}", f"{vmax:.3g}"])
         fig.suptitle(f"per-expert share of routed tokens per MoE layer (white = uniform 1/{E}, red = overloaded)")
         figs["expert_share.png"] = fig
+
+    fig = imbalance_figure(records)
+    if fig is not None:
+        figs["imbalance.png"] = fig
     return figs
+
+
+def imbalance_figure(records: list[dict]):
+    """Share of the step lost to imbalance per MoE layer over steps (with the total), and max/mean rows per EP rank
+    per layer; None when no train record carries them. Layers are named by their global MoE index
+    (``imbalance_moe_layers``: a pipeline stage logs its own layers)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in _by_step(records, "train") if r.get("imbalance_lost_share_per_layer")]
+    if not rows:
+        return None
+    n_moe = max(max(r.get("imbalance_moe_layers") or [0]) for r in rows) + 1
+    names = moe_layer_labels(records, n_moe)
+    fig, (ax, ax_rows) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    ax.set_label("lost_share")
+    ax_rows.set_label("ep_rows")
+    layers = sorted({m for r in rows for m in r.get("imbalance_moe_layers") or []})
+    for m in layers:
+        pts = [(r["step"], v, rr) for r in rows
+               for mm, v, rr in zip(r["imbalance_moe_layers"], r["imbalance_lost_share_per_layer"],
+                                    r.get("ep_rows_imbalance") or [math.nan] * len(r["imbalance_moe_layers"]))
+               if mm == m]
+        label = names[m] if m < len(names) else f"MoE {m}"
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=label)
+        ax_rows.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
+    ax.plot([r["step"] for r in rows], [100 * r.get("imbalance_lost_share", math.nan) for r in rows], "k--",
+            label="all layers")
+    ax.set_xlabel("step")
+    ax.set_ylabel("% of the step")
+    ax.set_title("time lost to expert-load imbalance (expert time vs mean + combine wait)")
+    ax_rows.set_xlabel("step")
+    ax_rows.set_ylabel("max / mean")
+    ax_rows.set_title("rows per EP rank: max / mean (1 = balanced)")
+    for a in (ax, ax_rows):
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8, ncol=2)
+    return fig
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -28,6 +28,8 @@ from moetrain.model.config import ModelConfig
 from moetrain.model.moe import MoE
 from moetrain.model.transformer import IGNORE_INDEX
 from moetrain.parallel.comm import name_collective_error, named_phase
+from moetrain.parallel.dispatch import AllToAllDispatcher
+from moetrain.parallel.imbalance import ImbalanceStep, measure_imbalance
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.pipeline import sync_embedding_grads
@@ -46,7 +48,8 @@ class StepResult:
     all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: token-expert assignments dropped by the
     capacity limit, summed over micro-batches and ranks; pipeline_s: seconds in the pipeline schedule and
     bubble_s: the part of them this rank spent not computing (waiting for and sending to neighbouring stages; 0
-    without pipelining)."""
+    without pipelining); imbalance: rows, expert time and combine wait of this rank's MoE layers on every EP rank
+    of its group, and the time lost to their imbalance (``moetrain.parallel.imbalance``)."""
 
     loss: float
     lm_loss: float
@@ -61,6 +64,7 @@ class StepResult:
     bubble_s: float = 0.0
     mtp_term: float = 0.0
     balance_term: float = 0.0
+    imbalance: ImbalanceStep | None = None
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -191,8 +195,10 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
     for _, moe in layers:
         moe.dispatcher.stats.settle()
     pipeline_s, bubble_s = model.runner.timing()
+    timers = [(m, moe.dispatcher.expert_timer) for m, moe in layers if isinstance(moe.dispatcher, AllToAllDispatcher)]
+    imbalance = measure_imbalance(timers, [m for m, _ in layers], ctx.ep_group if ctx.pcfg.ep > 1 else None, device)
     mtp_term, balance_term = cfg.mtp_loss_weight * mtp_v, cfg.balance_loss_alpha * bal_v
     return StepResult(loss=lm_v + mtp_term + balance_term, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v,
                       grad_norm=gnorm_v, tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]),
                       n_sequences=int(norm_host[-1]), dropped_tokens=int(dropped_v), pipeline_s=pipeline_s,
-                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term)
+                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term, imbalance=imbalance)

@@ -19,7 +19,8 @@ from moetrain.errors import ConfigError
 def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of one metrics record under their tracker names: ``<kind>/<key>`` for every number of the record
     (``step`` itself excluded; booleans are not figures), and ``a2a/moe<m>/<phase>/{total,exposed}_s`` for the
-    per-layer, per-phase all-to-all times of a "train" record."""
+    per-layer, per-phase all-to-all times of a "train" record, ``imbalance/moe<m>/{lost_share,ep_rows_max_over_mean}``
+    per MoE layer."""
     kind = record.get("kind", "train")
     out = {f"{kind}/{k}": float(v) for k, v in record.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
@@ -27,6 +28,10 @@ def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
         for phase, (total, exposed) in phases.items():
             out[f"a2a/moe{m}/{phase}/total_s"] = float(total)
             out[f"a2a/moe{m}/{phase}/exposed_s"] = float(exposed)
+    for m, share, rows in zip(record.get("imbalance_moe_layers", []), record.get("imbalance_lost_share_per_layer", []),
+                              record.get("ep_rows_imbalance", [])):
+        out[f"imbalance/moe{m}/lost_share"] = float(share)
+        out[f"imbalance/moe{m}/ep_rows_max_over_mean"] = float(rows)
     return out
 
 

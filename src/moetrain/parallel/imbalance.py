@@ -1,0 +1,203 @@
+"""What expert-load imbalance costs a step, measured: rows and expert compute time per EP rank, and the time lost.
+
+Under learned routing the EP rank whose experts receive the most rows computes longest, and the other ranks wait
+for it in the combine all-to-all (in the backward: in the all-to-all that returns the dispatch's gradient). Every
+step, per MoE layer:
+
+* **Rows per EP rank**: the rows this rank's experts compute -- one per (token, local expert) assignment, the rows
+  of the grouped GEMM (capacity padding included, since it is computed). On the deduplicated path a token with
+  two experts on a rank crosses the wire once but is computed twice: it counts 2 here. The number is the length of
+  the expert input the dispatcher hands over (known on the host from the count exchange: no synchronisation).
+* **Expert time per EP rank**: from the expert input's hand-over to the combine's start (the grouped GEMMs and the
+  SwiGLU between them), plus its backward (from the gradient's arrival at the expert output to its departure from
+  the expert input), on the clocks of :mod:`moetrain.parallel.timing`: CUDA events on a GPU, read after the step's
+  end synchronisation; the host clock on a CPU. Under EP overlap the weight gradients run later, deferred
+  (``moetrain.model.phases.weight_grad``), and are not in the backward's interval. FSDP's gather of the expert
+  weights (EDP > 1) falls inside the forward's interval; alike on every EP rank, it cancels in max - mean.
+  Activation recomputation runs the experts' forward again: its rows and time count again (they are computed).
+* **Combine wait per EP rank**: the exposed seconds of the layer's combine and of the dispatch's backward
+  all-to-all (``DispatchStats.combine_wait_s``): the time the compute stood still for them.
+
+Once per step the three (M layers each) are gathered over the EP group in one all-gather of 3 M numbers
+(:func:`measure_imbalance`); every layer's figures then follow on the host (:class:`ImbalanceStep`). The time lost
+by layer l is
+
+    lost_l = max_r [ (c_r - mean_r c) + (w_r - min_r w) ]
+
+with c the expert time and w the combine wait of EP rank r: the time the layer took on rank r beyond a balanced
+layer -- the mean expert time, and the least combine wait any rank had (the transfer itself, which the slowest
+rank, finishing last, waits for alone) -- maximised over ranks (the step goes at the pace of its slowest path).
+Without overlap every rank gives about ``max c - mean c``: the hottest rank computes that much longer, the others
+wait that much longer in the combine. The fast ranks' waits are measured rather than assumed: a combine that takes
+longer than the compute gap (the hot rank's link carries more rows) adds to it, and where overlapped work fills a
+fast rank's wait, the hot rank's own extra compute is what remains on the critical path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.model.moe import DispatchStats
+from moetrain.parallel.comm import named_phase
+from moetrain.parallel.timing import Clock, clock_for
+
+
+@dataclass
+class _Span:
+    """Points of one expert computation (one dispatch chunk): forward start/end, backward start/end (None until
+    reached: a recomputed forward has no backward of its own, a forward without gradients none at all). The
+    backward's points are marked by tensor hooks (no autograd node): when the gradient of the expert output has
+    arrived (before the experts' backward) and when that of the expert input has been computed (after it)."""
+
+    clock: Clock
+    fwd_start: Any
+    fwd_end: Any = None
+    bwd_start: Any = None
+    bwd_end: Any = None
+
+    def start_backward(self, grad: torch.Tensor) -> None:
+        self.bwd_start = self.clock.mark()
+
+    def end_backward(self, grad: torch.Tensor) -> None:
+        self.bwd_end = self.clock.mark()
+
+
+class ExpertTimer:
+    """Rows and expert compute time of this rank's experts in one MoE layer, since the last :meth:`take`.
+
+    The dispatcher calls :meth:`start` on the expert input it hands over and :meth:`stop` on the expert output the
+    combine receives; the MoE layer computes its experts in between and nothing else. Nothing is counted while
+    ``stats.recording`` is off (validation).
+    """
+
+    def __init__(self, stats: DispatchStats):
+        self.stats = stats
+        self.rows = 0
+        self.spans: list[_Span] = []
+
+    def start(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """Mark the start of the experts' forward; count the rows of ``x_SD`` (S, D); when gradients flow, the end
+        of the experts' backward will be marked when ``x_SD``'s gradient is computed. Returns ``x_SD``."""
+        if not self.stats.recording:
+            return x_SD
+        clock = clock_for(x_SD.device)
+        span = _Span(clock, clock.mark())
+        self.spans.append(span)
+        self.rows += x_SD.shape[0]
+        if torch.is_grad_enabled() and x_SD.requires_grad:
+            x_SD.register_hook(span.end_backward)
+        return x_SD
+
+    def stop(self, y_SD: torch.Tensor) -> torch.Tensor:
+        """Mark the end of the experts' forward (``y_SD``: their output) and, when gradients flow, the start of
+        their backward when ``y_SD``'s gradient arrives. Returns ``y_SD``."""
+        if not self.stats.recording or not self.spans or self.spans[-1].fwd_end is not None:
+            return y_SD
+        span = self.spans[-1]
+        span.fwd_end = span.clock.mark()
+        if torch.is_grad_enabled() and y_SD.requires_grad:
+            y_SD.register_hook(span.start_backward)
+        return y_SD
+
+    def take(self) -> tuple[int, float, float]:
+        """(rows, expert seconds, combine-wait seconds) since the last call, and reset. On a GPU call it after a
+        host synchronisation with the compute stream (the step's end), when every marked event has executed."""
+        seconds = 0.0
+        for s in self.spans:
+            if s.fwd_end is not None:
+                seconds += s.clock.seconds(s.fwd_start, s.fwd_end)
+            elif s.clock.on_device:
+                s.clock.release(s.fwd_start)
+            if s.bwd_start is not None and s.bwd_end is not None:
+                seconds += s.clock.seconds(s.bwd_start, s.bwd_end)
+            elif s.clock.on_device:
+                s.clock.release(*[p for p in (s.bwd_start, s.bwd_end) if p is not None])
+        rows, wait = self.rows, self.stats.combine_wait_s
+        self.rows, self.spans, self.stats.combine_wait_s = 0, [], 0.0
+        return rows, seconds, wait
+
+
+@dataclass
+class ImbalanceStep:
+    """One step's imbalance figures of this rank's MoE layers, from every EP rank of its group.
+
+    Attributes:
+        moe_layers: global MoE index of each layer (M; the rows of ``StepResult.tokens_per_expert_ME``).
+        rows_MR: rows each EP rank's experts computed, per layer ([M][R]; empty lists without EP).
+        expert_s_MR: seconds each EP rank's experts computed, forward and backward, per layer.
+        wait_s_MR: seconds each EP rank stood still in the layer's combine and dispatch-backward all-to-alls.
+    """
+
+    moe_layers: list[int]
+    rows_MR: list[list[int]] = field(default_factory=list)
+    expert_s_MR: list[list[float]] = field(default_factory=list)
+    wait_s_MR: list[list[float]] = field(default_factory=list)
+
+    def rows_max_over_mean(self) -> list[float]:
+        """max / mean rows per EP rank, per layer (1.0 = balanced, and where nothing was computed or without EP)."""
+        out = []
+        for rows in self.rows_MR:
+            mean = sum(rows) / len(rows) if rows else 0.0
+            out.append(max(rows) / mean if mean > 0 else 1.0)
+        return out + [1.0] * (len(self.moe_layers) - len(out))
+
+    def rows_step_max_over_mean(self) -> float:
+        """max / mean over the EP ranks of their rows summed over the layers (1.0 without EP or rows)."""
+        total_R = [sum(col) for col in zip(*self.rows_MR)]
+        mean = sum(total_R) / len(total_R) if total_R else 0.0
+        return max(total_R) / mean if mean > 0 else 1.0
+
+    def expert_gap_s(self) -> list[float]:
+        """max - mean expert seconds over the EP ranks, per layer."""
+        return [max(c) - sum(c) / len(c) if c else 0.0 for c in self._padded(self.expert_s_MR)]
+
+    def wait_caused_s(self) -> list[float]:
+        """The largest combine wait beyond the least one, per layer: max_r (w_r - min w)."""
+        return [max(w) - min(w) if w else 0.0 for w in self._padded(self.wait_s_MR)]
+
+    def lost_s(self) -> list[float]:
+        """Seconds lost to imbalance per layer: max_r [(c_r - mean c) + (w_r - min w)] (module docstring)."""
+        out = []
+        for c, w in zip(self._padded(self.expert_s_MR), self._padded(self.wait_s_MR)):
+            if not c:
+                out.append(0.0)
+                continue
+            mean_c, min_w = sum(c) / len(c), min(w)
+            out.append(max(0.0, max(ci - mean_c + wi - min_w for ci, wi in zip(c, w))))
+        return out
+
+    def _padded(self, per_layer: list[list[float]]) -> list[list[float]]:
+        return per_layer + [[] for _ in range(len(self.moe_layers) - len(per_layer))]
+
+
+def measure_imbalance(timers: list[tuple[int, ExpertTimer]], moe_layers: list[int], ep_group: Any,
+                      device: torch.device) -> ImbalanceStep:
+    """Take every layer's rows, expert time and combine wait since the last call and gather them over the EP group:
+    one all-gather of 3 M float64 values (none without EP). Call once per step, after the step's end
+    synchronisation (device events are read here).
+
+    Args:
+        timers: (global MoE index, timer) of this rank's layers with an all-to-all dispatcher, the same layers on
+            every rank of the EP group (one pipeline stage). Empty without expert parallelism.
+        moe_layers: the global MoE index of every MoE layer of this rank.
+        ep_group: the EP process group (None: a single process).
+        device: where the collective's tensors live (the compute device).
+
+    Raises:
+        CollectiveError: the all-gather failed or timed out.
+    """
+    if not timers or ep_group is None:
+        for _, t in timers:
+            t.take()
+        return ImbalanceStep(moe_layers)
+    local_3M = torch.tensor([list(t.take()) for _, t in timers], dtype=torch.float64).t().contiguous()
+    R = dist.get_world_size(ep_group)
+    with named_phase("imbalance telemetry all-gather (EP group)"):
+        parts = [torch.empty_like(local_3M, device=device) for _ in range(R)]
+        dist.all_gather(parts, local_3M.to(device), group=ep_group)
+        rows, expert_s, wait_s = torch.stack(parts, dim=-1).cpu().tolist()  # (3, M, R)
+    return ImbalanceStep([m for m, _ in timers], [[int(v) for v in r] for r in rows], expert_s, wait_s)

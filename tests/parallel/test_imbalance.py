@@ -1,0 +1,128 @@
+"""Imbalance telemetry (``moetrain.parallel.imbalance``): rows per EP rank against a hand count, the time lost to
+imbalance larger under a forced skew than under forced-balanced routing at EP 2 (gloo), nothing lost in a single
+process, the per-layer arithmetic on hand values, the metrics window, and the device-event path read only once the
+step has synchronised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.model.moe import DispatchStats
+from moetrain.parallel import timing
+from moetrain.parallel.imbalance import ExpertTimer, ImbalanceStep
+from moetrain.train.metrics import ImbalanceWindow, StepMetrics
+
+from .fake_events import FakeApi
+from .harness import ok_values, run_ranks, run_single
+from .imbalance_workers import SKEWED_EXPERTS, imbalance_train_run
+from .workers import GLOBAL_SEQS
+
+
+def test_lost_time_per_layer_by_hand():
+    # layer 0: rank 0 computes 30 ms, rank 1 10 ms and waits 18 ms more in the combine than rank 0:
+    #   rank 0: (30 - 20) + (2 - 2) = 10 ms, rank 1: (10 - 20) + (20 - 2) = 8 ms -> 10 ms lost.
+    # layer 1: equal compute, but rank 1 waits 5 ms longer (the hot link): 0 + 5 -> 5 ms lost.
+    # layer 2: balanced and equal waits -> 0.
+    step = ImbalanceStep([0, 1, 2], rows_MR=[[30, 10], [8, 8], [4, 4]],
+                         expert_s_MR=[[0.030, 0.010], [0.010, 0.010], [0.004, 0.004]],
+                         wait_s_MR=[[0.002, 0.020], [0.001, 0.006], [0.003, 0.003]])
+    assert step.rows_max_over_mean() == [1.5, 1.0, 1.0]
+    assert step.rows_step_max_over_mean() == pytest.approx(42 / 32)  # rows of all layers: 42 and 22
+    assert step.lost_s() == pytest.approx([0.010, 0.005, 0.0])
+    assert step.expert_gap_s() == pytest.approx([0.010, 0.0, 0.0])
+    assert step.wait_caused_s() == pytest.approx([0.018, 0.005, 0.0])
+    # without EP nothing is measured and nothing is lost
+    none = ImbalanceStep([0, 1])
+    assert none.rows_max_over_mean() == [1.0, 1.0] and none.lost_s() == [0.0, 0.0]
+    assert none.rows_step_max_over_mean() == 1.0
+
+
+def test_metrics_window_gives_share_of_the_step_and_resets():
+    w = ImbalanceWindow()
+    a = ImbalanceStep([3, 4], [[6, 2], [4, 4]], [[0.03, 0.01], [0.01, 0.01]], [[0.0, 0.02], [0.0, 0.0]])
+    w.add(a)
+    w.add(a)
+    f = w.fields(n_steps=2, window_s=0.4)
+    assert f["imbalance_lost_ms"] == pytest.approx(10.0)  # 2 x 10 ms over 2 steps
+    assert f["imbalance_lost_share"] == pytest.approx(0.05)  # 20 ms of 400 ms
+    assert f["imbalance_lost_share_per_layer"] == pytest.approx([0.05, 0.0])
+    assert f["ep_rows_imbalance"] == [1.5, 1.0] and f["ep_rows_imbalance_max"] == 1.5
+    assert f["ep_rows_imbalance_step"] == pytest.approx(10 / 8)
+    assert f["ep_rows_per_rank"] == [[6, 2], [4, 4]] and f["imbalance_moe_layers"] == [3, 4]
+    assert f["imbalance_expert_ms"] == pytest.approx(10.0) and f["imbalance_combine_wait_ms"] == pytest.approx(20.0)
+    assert w.fields(1, 1.0) == {}  # a new window: nothing until the next step
+    names = set(StepMetrics.__dataclass_fields__)
+    assert set(f) <= names and any("lost" in k for k in names)
+
+
+def test_expert_timer_on_device_events_reads_only_at_take():
+    """The event path (a stand-in for CUDA): forward and backward spans are events, read by take() only."""
+    api = FakeApi()
+    prev = timing.install_device_api("cpu", api)
+    try:
+        stats = DispatchStats()
+        t = ExpertTimer(stats)
+        w = torch.randn(8, 8, requires_grad=True)
+        x = t.start(torch.randn(5, 8, requires_grad=True))
+        y = t.stop(x @ w)
+        y.sum().backward()
+        stats.add("combine", 0.5, 0.25)
+        stats.add("dispatch (gate weights) backward", 0.5, 0.5)
+        stats.add("dispatch", 0.5, 0.5)  # not a wait for the experts of another rank
+        assert api.elapsed_reads == 0
+        rows, seconds, wait = t.take()
+        assert rows == 5 and seconds >= 0 and wait == pytest.approx(0.75)
+        assert api.elapsed_reads == 2  # forward and backward spans
+        assert t.take() == (0, 0.0, 0.0)
+        stats.recording = False  # validation: nothing counted
+        t.stop(t.start(torch.randn(3, 8)))
+        assert t.take() == (0, 0.0, 0.0)
+    finally:
+        timing.install_device_api("cpu", prev)
+
+
+def test_single_process_reports_nothing_lost():
+    (step,) = run_single(imbalance_train_run, {}, "learned", 1)["steps"]
+    assert step["lost_s"] == [0.0] * 4 and step["rows_ratio"] == [1.0] * 4 and step["rows"] == []
+
+
+@pytest.mark.dist
+def test_skew_at_ep2_counts_rows_by_hand_and_loses_more_time_than_balanced():
+    # Skewed and balanced routing alternate step by step in one run, so both meet the same load of the host. Four
+    # times the tokens of the other tests, so that the experts' time follows their rows more than their weights
+    # (FSDP's copies, the weight gradients of experts without rows).
+    ranks = ok_values(run_ranks(2, imbalance_train_run, {"ep": 2}, "alternate", 9, 256, 4 * GLOBAL_SEQS))
+    assert ranks[0]["steps"] == [{**s, "step_s": s0["step_s"]} for s, s0 in zip(ranks[1]["steps"], ranks[0]["steps"])]
+    r = ranks[0]
+    tk = r["tokens_per_step"] * r["top_k"]  # assignments per MoE layer and step, all ranks
+    # one row per (token, local expert) assignment: the deduplicated dispatch's rows are counted per expert
+    hand = [[sum(e < 8 for e in ex) * tk // 4, sum(e >= 8 for e in ex) * tk // 4] for ex in SKEWED_EXPERTS]
+    assert hand == [[tk, 0], [tk, 0], [3 * tk // 4, tk // 4], [3 * tk // 4, tk // 4]]
+    skewed = [s for s in r["steps"][1:] if s["routing"] == "skewed"]  # after the first step (warm-up)
+    balanced = [s for s in r["steps"][1:] if s["routing"] == "balanced"]
+    assert len(skewed) == len(balanced) == 4
+    for s in skewed:
+        assert s["layers"] == [0, 1, 2, 3] and s["rows"] == hand and s["rows_ratio"] == [2.0, 2.0, 1.5, 1.5]
+        assert s["rows_step_ratio"] == 1.75  # 3.5 tk of 4 tk on rank 0
+    for s in balanced:
+        assert s["rows"] == [[tk // 2, tk // 2]] * 4 and s["rows_ratio"] == [1.0] * 4 and s["rows_step_ratio"] == 1.0
+    # Time lost per step, summed over layers. A busy host only adds waits (a rank taken off its core keeps the other
+    # waiting), to either kind of step: the least of each kind compares the imbalance itself.
+    lost_skewed = min(sum(s["lost_s"]) for s in skewed)
+    lost_balanced = min(sum(s["lost_s"]) for s in balanced)
+    assert lost_skewed > 0 and lost_skewed > lost_balanced
+    # the hot rank computes longer in the all-on-rank-0 layers, and the other waits longer in their combine
+    expert_R = [sum(s["expert_s"][m][r] for s in skewed for m in (0, 1)) for r in (0, 1)]
+    wait_R = [sum(s["wait_s"][m][r] for s in skewed for m in (0, 1)) for r in (0, 1)]
+    assert expert_R[0] > expert_R[1] and wait_R[1] > wait_R[0]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pcfg", [{"dispatcher": "alltoall"}, {"ep_overlap": True}])
+def test_rows_per_rank_by_hand_on_the_per_assignment_path_and_under_ep_overlap(pcfg):
+    for r in ok_values(run_ranks(2, imbalance_train_run, {"ep": 2, **pcfg}, "skewed", 1)):
+        (s,) = r["steps"]
+        tk = r["tokens_per_step"] * r["top_k"]
+        assert s["rows"] == [[tk, 0], [tk, 0], [3 * tk // 4, tk // 4], [3 * tk // 4, tk // 4]]
+        assert all(c > 0 for layer in s["expert_s"][2:] for c in layer) and all(v >= 0 for v in s["lost_s"])
