@@ -36,6 +36,8 @@ class ParamCounts:
         embedding: input embedding. head: output head (0 when tied).
         attention_per_layer, dense_ffn_per_layer, expert: one MLA block, one dense FFN, one routed expert.
         moe_layer_total, moe_layer_active: one MoE FFN (router + experts + shared), all vs active per token.
+        active_without_router: ``active`` less the routers' weights, the count under which a published "active"
+            figure may be given (Qwen3-30B-A3B's 3.3B: 3.340B without the routers, 3.353B with them).
     """
 
     total: int
@@ -50,22 +52,16 @@ class ParamCounts:
     expert: int
     moe_layer_total: int
     moe_layer_active: int
+    active_without_router: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
 def attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one Multi-head Latent Attention block (projections + the two latent RMSNorm weights)."""
-    H, D = cfg.n_heads, cfg.dim
-    if cfg.q_lora_rank:
-        q = D * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim
-    else:
-        q = D * H * cfg.qk_head_dim
-    kv = D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    kv += cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    o = H * cfg.v_head_dim * D
-    return q + kv + o
+    """Parameters of one attention block of ``cfg``'s family (MLA: projections + the two latent RMSNorm weights;
+    Qwen3 GQA: projections + the q/k norm weights): ``cfg.attention_params()``."""
+    return cfg.attention_params()
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
@@ -94,7 +90,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(
         total=total, mtp=mtp, total_with_mtp=total + mtp, active=active, active_nonembedding=active - embedding,
         embedding=embedding, head=head, attention_per_layer=attn, dense_ffn_per_layer=dense_ffn, expert=expert,
-        moe_layer_total=moe_total, moe_layer_active=moe_active,
+        moe_layer_total=moe_total, moe_layer_active=moe_active, active_without_router=active - n_moe * router,
     )
 
 
@@ -121,18 +117,9 @@ class FlopsPerToken:
 
 
 def mla_projection_flops_factor(cfg: ModelConfig) -> int:
-    """Megatron-Core's A_mla: multiply-adds per token of the MLA projections (docs/reference.md section 3).
-
-    A_mla = q_lora*(h + n_h*(d_nope+d_rope) + 1) + kv_lora*(h + n_h*(d_nope+d_v) + 1) + h*d_rope + n_h*d_v*h,
-    with the query term h*n_h*(d_nope+d_rope) when q_lora_rank is 0.
-    """
-    h, H = cfg.dim, cfg.n_heads
-    if cfg.q_lora_rank:
-        q = cfg.q_lora_rank * (h + H * cfg.qk_head_dim + 1)
-    else:
-        q = h * H * cfg.qk_head_dim
-    kv = cfg.kv_lora_rank * (h + H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 1)
-    return q + kv + h * cfg.qk_rope_head_dim + H * cfg.v_head_dim * h
+    """Megatron-Core's multiply-adds per token of one block's attention projections (docs/reference.md section 3):
+    A_mla for MLA, h (n_h d + 2 n_kv d) + n_h d h for GQA: ``cfg.attention_projection_flops_factor()``."""
+    return cfg.attention_projection_flops_factor()
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_depth: int | None = None) -> FlopsPerToken:
@@ -159,14 +146,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_depth: int | None = None
     f_shared = cfg.n_shared_experts * cfg.expert_ffn_dim
     ffn = h * (3 * cfg.dense_ffn_dim * n_dense + 3 * cfg.expert_ffn_dim * cfg.top_k * n_moe + 3 * f_shared * n_moe)
     dense = 6 * (ffn + n_layers * mla_projection_flops_factor(cfg) + mtp * (3 * h + 2 * h * h) + h * V * (mtp + 1))
-    H = cfg.n_heads
-    attn = 6 * n_layers * seq_len * (H * cfg.qk_head_dim / 2 + H * cfg.v_head_dim / 2)
+    qk_width, v_width = cfg.attention_core_dims
+    attn = 6 * n_layers * seq_len * (qk_width / 2 + v_width / 2)
 
     counts = count_params(cfg)
     per_mtp = counts.mtp // cfg.mtp_depth if cfg.mtp_depth else 0
     mtp_active = mtp * (per_mtp - (cfg.n_routed_experts - cfg.top_k) * counts.expert)
     six_n = 6 * (counts.active_nonembedding + mtp_active)
-    six_n += 6 * n_layers * H * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+    six_n += 6 * n_layers * (qk_width + v_width) * seq_len
     return FlopsPerToken(megatron=dense + attn, six_n=float(six_n), megatron_dense=float(dense),
                          megatron_attention=float(attn), seq_len=seq_len)
 
@@ -342,8 +329,8 @@ def flops_breakdown(cfg: "ModelConfig | GQAMoEConfig", seq_len: int, mtp_depth: 
     else:
         mtp = cfg.mtp_depth if mtp_depth is None else mtp_depth
         proj = 6.0 * mla_projection_flops_factor(cfg)
-        H = cfg.n_heads
-        core = 6.0 * seq_len * (H * cfg.qk_head_dim / 2 + H * cfg.v_head_dim / 2)
+        qk_width, v_width = cfg.attention_core_dims
+        core = 6.0 * seq_len * (qk_width / 2 + v_width / 2)
         f_shared = cfg.n_shared_experts * cfg.expert_ffn_dim
     return FlopsBreakdown(
         attn_proj=proj, attn_core=core,
