@@ -222,6 +222,11 @@ class ModelConfig:
         """YaRN scaling of the rotary embedding, or None for plain RoPE."""
         return None
 
+    @property
+    def shared_ffn_width(self) -> int:
+        """Total hidden width of the shared expert(s) of one MoE layer (one fused SwiGLU; 0 = none)."""
+        return self.n_shared_experts * self.expert_ffn_dim
+
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
     def n_moe_layers(self) -> int:

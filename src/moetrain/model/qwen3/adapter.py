@@ -120,7 +120,7 @@ def config_to_hf(cfg: Qwen3MoeConfig) -> dict[str, Any]:
         ConfigError: ``cfg`` routes or is built unlike Qwen3-MoE (naming the field and the value it needs).
     """
     need = {"score_func": "softmax", "n_expert_groups": 1, "n_shared_experts": 0, "route_scale": 1.0,
-            "bias_update_rate": 0.0, "mtp_depth": 0, "qk_norm": True, "qkv_bias": False}
+            "bias_update_rate": 0.0, "mtp_depth": 0, "qk_norm": True, "qkv_bias": False, "shared_ffn_dim": 0}
     got = cfg.to_dict()
     bad = [f"model.{k}={got[k]!r} (needs {v!r})" for k, v in need.items() if got[k] != v]
     if bad:

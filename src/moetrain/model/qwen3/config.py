@@ -29,6 +29,8 @@ class Qwen3MoeConfig(ModelConfig):
         qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3). False, and ``qkv_bias``, describe other GQA MoE
             architectures (Qwen2-MoE, Mixtral, ...) that ``moetrain plan`` predicts but moetrain does not train.
         qkv_bias: the q/k/v projections carry a bias (Qwen2) [attention_bias].
+        shared_ffn_dim: a shared expert of this width besides ``n_shared_experts`` (Qwen2-MoE: 5632), for
+            ``moetrain plan`` like ``qkv_bias``; Qwen3 has none.
     """
 
     family = ModelFamily.QWEN3_MOE
@@ -64,11 +66,13 @@ class Qwen3MoeConfig(ModelConfig):
     head_dim: int = 128
     qk_norm: bool = True
     qkv_bias: bool = False
+    shared_ffn_dim: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("n_kv_heads", self.n_kv_heads, minimum=1)
         check_int("head_dim", self.head_dim, minimum=2)
+        check_int("shared_ffn_dim", self.shared_ffn_dim, minimum=0)
         if self.n_heads % self.n_kv_heads:
             divisors = [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
             raise ConfigError(f"model.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (grouped-query "
@@ -85,11 +89,13 @@ class Qwen3MoeConfig(ModelConfig):
         """Qwen3's grouped-query attention.
 
         Raises:
-            ConfigError: ``qkv_bias`` or no ``qk_norm`` (other GQA architectures: planned, not trained)."""
-        if self.qkv_bias or not self.qk_norm:
-            raise ConfigError(f"model.qkv_bias={self.qkv_bias}, model.qk_norm={self.qk_norm}: moetrain trains "
-                              "Qwen3-MoE attention (no q/k/v bias, per-head q/k norm); this shape is for "
-                              "`moetrain plan` only; set model.qkv_bias=false and model.qk_norm=true to train it")
+            ConfigError: ``qkv_bias``, no ``qk_norm`` or a ``shared_ffn_dim`` (other GQA MoE architectures, which
+                ``moetrain plan`` predicts but moetrain does not build)."""
+        if self.qkv_bias or not self.qk_norm or self.shared_ffn_dim:
+            raise ConfigError(f"model.qkv_bias={self.qkv_bias}, model.qk_norm={self.qk_norm}, model.shared_ffn_dim="
+                              f"{self.shared_ffn_dim}: moetrain builds Qwen3-MoE (no q/k/v bias, per-head q/k norm, "
+                              "no shared expert); this shape is for `moetrain plan` only; set model.qkv_bias=false, "
+                              "model.qk_norm=true and model.shared_ffn_dim=0 to train it")
         return GQA(self)
 
     def attention_params(self) -> int:
@@ -108,6 +114,10 @@ class Qwen3MoeConfig(ModelConfig):
         h (n_h d + 2 n_kv d) for q, k, v and n_h d h for the output; biases and norms are not counted."""
         D, H, G, d = self.dim, self.n_heads, self.n_kv_heads, self.head_dim
         return D * (H * d + 2 * G * d) + H * d * D
+
+    @property
+    def shared_ffn_width(self) -> int:
+        return self.n_shared_experts * self.expert_ffn_dim + self.shared_ffn_dim
 
     @property
     def attention_core_dims(self) -> tuple[int, int]:
