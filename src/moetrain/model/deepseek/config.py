@@ -2,7 +2,7 @@
 DeepSeekMoE routing with expert groups, shared experts and auxiliary-loss-free balancing, MTP modules.
 
 Sources: deepseek-ai/DeepSeek-V3 ``inference/configs/config_671B.json`` and the HF ``config.json`` of DeepSeek-V3,
-DeepSeek-V2-Lite and Kimi-K2 (see ``docs/reference.md`` section 2).
+DeepSeek-V2-Lite (see ``docs/reference.md`` section 2) and Kimi-K2 (section 15).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ def kimi_k2_1t() -> DeepSeekV3Config:
     """Exactly the released Kimi-K2 configuration (moonshotai/Kimi-K2-Instruct ``config.json``; a DeepSeek-V3
     architecture): 384 experts, top-8 in one group, 64 heads, 61 layers with one dense, vocabulary 163,840, routed
     scale 2.827, YaRN factor 32 over a 4K original context (beta_fast = beta_slow = 1), rope_theta 50,000, no MTP.
-    1.04T total / 32.6B active parameters (Kimi K2 technical report, arXiv 2507.20534)."""
+    1.04T total / 32.6B active parameters (Kimi K2 technical report, arXiv 2507.20534; docs/reference.md
+    section 15)."""
     return DeepSeekV3Config(
         vocab_size=163_840, dim=7168, n_layers=61, n_dense_layers=1, dense_ffn_dim=18_432, expert_ffn_dim=2048,
         n_routed_experts=384, n_shared_experts=1, top_k=8, n_expert_groups=1, n_limited_groups=1,

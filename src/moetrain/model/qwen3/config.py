@@ -3,7 +3,7 @@ RMSNorm and rotate-half RoPE, a softmax router over all experts with top-k renor
 expert bias, the global-batch balance loss.
 
 Sources: the ``config.json`` of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B, and transformers'
-``models/qwen3_moe/modeling_qwen3_moe.py`` (docs/reference.md section 2).
+``models/qwen3_moe/modeling_qwen3_moe.py`` (docs/reference.md section 15).
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class Qwen3MoeConfig(ModelConfig):
         return p
 
     def attention_projection_flops_factor(self) -> int:
-        """Multiply-adds per token of the GQA projections as Megatron-Core counts them (docs/reference.md section 3):
+        """Multiply-adds per token of the GQA projections as Megatron-Core counts them (docs/reference.md section 3,
+        ``num_floating_point_operations``' standard self-attention term):
         h (n_h d + 2 n_kv d) for q, k, v and n_h d h for the output; biases and norms are not counted."""
         D, H, G, d = self.dim, self.n_heads, self.n_kv_heads, self.head_dim
         return D * (H * d + 2 * G * d) + H * d * D
