@@ -496,7 +496,11 @@ def describe_config(job: JobConfig | None = None, section: str | None = None) ->
         out.append("`--help-config SECTION` prints the full meaning of each field of one section.")
     for name in (section,) if full else SECTIONS:
         cls = SECTION_CLASSES[name]
-        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        if name == "model":  # the job's family: the common fields and its own
+            cls = type(job.model)
+            docs = {**docs, **field_docs(cls)}
+        hints = typing.get_type_hints(cls)
         values = dataclasses.asdict(getattr(job, name))
         rows = [(f.name, _type_name(hints[f.name]), format_value(values[f.name]),
                  docs.get(f.name, "").replace("``", "")) for f in dataclasses.fields(cls)]

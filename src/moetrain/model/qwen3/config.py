@@ -19,11 +19,11 @@ from moetrain.model.qwen3.attention import GQA
 
 @dataclass
 class Qwen3MoeConfig(ModelConfig):
-    """A Qwen3-MoE model; the defaults are the released Qwen3-30B-A3B.
-
-    Attributes, besides :class:`~moetrain.model.config_base.ModelConfig`'s (whose defaults here follow Qwen3:
+    """A Qwen3-MoE model; the defaults are the released Qwen3-30B-A3B. The common fields' defaults follow Qwen3:
     softmax router, one expert group, no shared expert, route scale 1, no expert-bias balancing, no MTP, balance
-    loss coefficient 1e-3 [router_aux_loss_coef] over the global batch):
+    loss coefficient 1e-3 [router_aux_loss_coef] over the global batch.
+
+    Attributes, besides :class:`~moetrain.model.config_base.ModelConfig`'s:
         n_kv_heads: key/value heads G (GQA groups; H % G == 0) [num_key_value_heads].
         head_dim: per-head dim d of queries, keys and values (explicit, not D / H) [head_dim].
         qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3). False, and ``qkv_bias``, describe other GQA MoE
