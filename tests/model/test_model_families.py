@@ -87,3 +87,15 @@ def test_a_run_saved_before_families_resumes_and_another_family_is_refused(tmp_p
     check_checkpoint_compatible(tmp_path, JobConfig(model=get_preset("tiny")))
     with pytest.raises(CheckpointError, match="family: checkpoint 'deepseek_v3' vs config 'qwen3_moe'"):
         check_checkpoint_compatible(tmp_path, JobConfig(model=get_preset("qwen3-tiny")))
+
+
+def test_a_qwen3_job_file_round_trips_with_or_without_its_preset(tmp_path):
+    """A saved job names the family; a model read from a HF config (no preset) reloads as its family."""
+    from moetrain.config import JobConfig, build_job_config, read_config_file, save_job_config
+
+    job = build_job_config({"model": {"preset": "qwen3-tiny"}})
+    back = build_job_config(read_config_file(save_job_config(job, tmp_path / "job.toml")))
+    assert back.model == job.model and isinstance(back.model, Qwen3MoeConfig)
+    hf = JobConfig(model=get_preset("qwen3-tiny").replace(dim=96), preset="hf:/x/config.json")
+    back = build_job_config(read_config_file(save_job_config(hf, tmp_path / "hf.toml")))
+    assert back.model == hf.model and back.preset == "qwen3-tiny"
