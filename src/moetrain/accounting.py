@@ -32,10 +32,12 @@ class ParamCounts:
         mtp: unique parameters of the MTP modules (they share the main model's embedding and head).
         total_with_mtp: total + mtp.
         active: parameters touched per token by the main model (top-k routed + shared experts), embedding included.
-        active_nonembedding: active minus the input embedding (the output head stays in).
+        active_nonembedding: active minus the input embedding (the output head stays in; a tied one counts once).
         embedding: input embedding. head: output head (0 when tied).
         attention_per_layer, dense_ffn_per_layer, expert: one MLA block, one dense FFN, one routed expert.
         moe_layer_total, moe_layer_active: one MoE FFN (router + experts + shared), all vs active per token.
+        active_without_router: ``active`` less the routers' weights, the count under which a published "active"
+            figure may be given (Qwen3-30B-A3B's 3.3B: 3.340B without the routers, 3.353B with them).
     """
 
     total: int
@@ -50,22 +52,16 @@ class ParamCounts:
     expert: int
     moe_layer_total: int
     moe_layer_active: int
+    active_without_router: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
 def attention_params(cfg: ModelConfig) -> int:
-    """Parameters of one Multi-head Latent Attention block (projections + the two latent RMSNorm weights)."""
-    H, D = cfg.n_heads, cfg.dim
-    if cfg.q_lora_rank:
-        q = D * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * H * cfg.qk_head_dim
-    else:
-        q = D * H * cfg.qk_head_dim
-    kv = D * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    kv += cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    o = H * cfg.v_head_dim * D
-    return q + kv + o
+    """Parameters of one attention block of ``cfg``'s family (MLA: projections + the two latent RMSNorm weights;
+    Qwen3 GQA: projections + the q/k norm weights): ``cfg.attention_params()``."""
+    return cfg.attention_params()
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
@@ -76,7 +72,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     dense_ffn = 3 * D * cfg.dense_ffn_dim
     expert = 3 * D * cfg.expert_ffn_dim
     router = cfg.n_routed_experts * D
-    shared = cfg.n_shared_experts * expert
+    shared = 3 * D * cfg.shared_ffn_width
     moe_total = router + cfg.n_routed_experts * expert + shared
     moe_active = router + cfg.top_k * expert + shared
     embedding = V * D
@@ -92,9 +88,11 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     mtp_one = 2 * D + 2 * D * D + (attn + norms + moe_total) + D
     mtp = cfg.mtp_depth * mtp_one
     return ParamCounts(
-        total=total, mtp=mtp, total_with_mtp=total + mtp, active=active, active_nonembedding=active - embedding,
+        # a tied head still runs its GEMM per token: the shared matrix counts once, as the head
+        total=total, mtp=mtp, total_with_mtp=total + mtp, active=active,
+        active_nonembedding=active - embedding if head else active,
         embedding=embedding, head=head, attention_per_layer=attn, dense_ffn_per_layer=dense_ffn, expert=expert,
-        moe_layer_total=moe_total, moe_layer_active=moe_active,
+        moe_layer_total=moe_total, moe_layer_active=moe_active, active_without_router=active - n_moe * router,
     )
 
 
@@ -121,18 +119,9 @@ class FlopsPerToken:
 
 
 def mla_projection_flops_factor(cfg: ModelConfig) -> int:
-    """Megatron-Core's A_mla: multiply-adds per token of the MLA projections (docs/reference.md section 3).
-
-    A_mla = q_lora*(h + n_h*(d_nope+d_rope) + 1) + kv_lora*(h + n_h*(d_nope+d_v) + 1) + h*d_rope + n_h*d_v*h,
-    with the query term h*n_h*(d_nope+d_rope) when q_lora_rank is 0.
-    """
-    h, H = cfg.dim, cfg.n_heads
-    if cfg.q_lora_rank:
-        q = cfg.q_lora_rank * (h + H * cfg.qk_head_dim + 1)
-    else:
-        q = h * H * cfg.qk_head_dim
-    kv = cfg.kv_lora_rank * (h + H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 1)
-    return q + kv + h * cfg.qk_rope_head_dim + H * cfg.v_head_dim * h
+    """Megatron-Core's multiply-adds per token of one block's attention projections (docs/reference.md section 3):
+    A_mla for MLA, h (n_h d + 2 n_kv d) + n_h d h for GQA: ``cfg.attention_projection_flops_factor()``."""
+    return cfg.attention_projection_flops_factor()
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_depth: int | None = None) -> FlopsPerToken:
@@ -156,127 +145,19 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, mtp_depth: int | None = None
     n_dense = cfg.n_dense_layers
     n_moe = cfg.n_moe_layers + mtp
     n_layers = cfg.n_layers + mtp
-    f_shared = cfg.n_shared_experts * cfg.expert_ffn_dim
+    f_shared = cfg.shared_ffn_width
     ffn = h * (3 * cfg.dense_ffn_dim * n_dense + 3 * cfg.expert_ffn_dim * cfg.top_k * n_moe + 3 * f_shared * n_moe)
     dense = 6 * (ffn + n_layers * mla_projection_flops_factor(cfg) + mtp * (3 * h + 2 * h * h) + h * V * (mtp + 1))
-    H = cfg.n_heads
-    attn = 6 * n_layers * seq_len * (H * cfg.qk_head_dim / 2 + H * cfg.v_head_dim / 2)
+    qk_width, v_width = cfg.attention_core_dims
+    attn = 6 * n_layers * seq_len * (qk_width / 2 + v_width / 2)
 
     counts = count_params(cfg)
     per_mtp = counts.mtp // cfg.mtp_depth if cfg.mtp_depth else 0
     mtp_active = mtp * (per_mtp - (cfg.n_routed_experts - cfg.top_k) * counts.expert)
     six_n = 6 * (counts.active_nonembedding + mtp_active)
-    six_n += 6 * n_layers * H * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len
+    six_n += 6 * n_layers * (qk_width + v_width) * seq_len
     return FlopsPerToken(megatron=dense + attn, six_n=float(six_n), megatron_dense=float(dense),
                          megatron_attention=float(attn), seq_len=seq_len)
-
-
-# ---- grouped-query-attention MoE models (Mixtral / Qwen-MoE style), for the performance model -----------------
-
-@dataclass(frozen=True)
-class GQAMoEConfig:
-    """Shape of a MoE transformer with grouped-query attention (Mixtral, Qwen2/3-MoE, ...), enough for accounting.
-
-    Not a trainable moetrain model (moetrain trains the DeepSeek-V3 architecture); ``moetrain plan`` uses it to
-    predict other MoE transformers "structurally". Built from a HF ``config.json`` by
-    :func:`moetrain.plan.shape.shape_from_hf_config`.
-
-    Attributes:
-        vocab_size, dim, n_layers: V, hidden size h, decoder layers.
-        n_heads, n_kv_heads, head_dim: query heads, key/value heads (GQA groups), per-head dim d.
-        n_dense_layers: layers with a dense FFN of width ``dense_ffn_dim`` (counted as the first ones).
-        expert_ffn_dim: width F of one routed expert; n_routed_experts E; top_k k.
-        shared_ffn_dim: total width of the shared expert(s) of each MoE layer (0 = none; Qwen2-MoE: 5632).
-        qkv_bias: q/k/v projections carry a bias (Qwen2); adds parameters, no Megatron-counted FLOPs.
-        qk_norm: per-head RMSNorm of q and k (Qwen3); parameters only.
-        tie_embeddings: the output head shares the embedding.
-        max_seq_len: longest sequence the model is built for.
-        name: a label for reports.
-    """
-
-    vocab_size: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    expert_ffn_dim: int
-    n_routed_experts: int
-    top_k: int
-    n_dense_layers: int = 0
-    dense_ffn_dim: int = 0
-    shared_ffn_dim: int = 0
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    tie_embeddings: bool = False
-    max_seq_len: int = 32_768
-    name: str = "gqa-moe"
-
-    def __post_init__(self) -> None:
-        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "expert_ffn_dim",
-                  "n_routed_experts", "top_k", "max_seq_len"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{f}={v!r} must be an integer >= 1")
-        for f in ("n_dense_layers", "dense_ffn_dim", "shared_ffn_dim"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{f}={v!r} must be an integer >= 0")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        if self.top_k > self.n_routed_experts:
-            raise ValueError(f"top_k={self.top_k} must be <= n_routed_experts={self.n_routed_experts}")
-        if self.n_dense_layers > self.n_layers:
-            raise ValueError(f"n_dense_layers={self.n_dense_layers} must be <= n_layers={self.n_layers}")
-        if self.n_dense_layers and not self.dense_ffn_dim:
-            raise ValueError("dense_ffn_dim must be > 0 when n_dense_layers > 0")
-
-    @property
-    def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
-
-
-def gqa_attention_params(cfg: GQAMoEConfig) -> int:
-    """Parameters of one grouped-query attention block: q, k, v, o projections (+ q/k/v biases, + q/k norms)."""
-    D, H, G, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    p = D * (H * d + 2 * G * d) + H * d * D
-    if cfg.qkv_bias:
-        p += H * d + 2 * G * d
-    if cfg.qk_norm:
-        p += 2 * d
-    return p
-
-
-def gqa_attention_projection_flops_factor(cfg: GQAMoEConfig) -> int:
-    """Multiply-adds per token of the GQA projections, as Megatron counts them: h*(q + k + v) + q*h."""
-    D, H, G, d = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    return D * (H * d + 2 * G * d) + H * d * D
-
-
-def count_params_gqa(cfg: GQAMoEConfig) -> ParamCounts:
-    """Closed-form parameter counts of a GQA MoE model (same fields as :func:`count_params`; ``mtp`` is 0)."""
-    D, V = cfg.dim, cfg.vocab_size
-    attn = gqa_attention_params(cfg)
-    norms = 2 * D
-    dense_ffn = 3 * D * cfg.dense_ffn_dim
-    expert = 3 * D * cfg.expert_ffn_dim
-    router = cfg.n_routed_experts * D
-    shared = 3 * D * cfg.shared_ffn_dim
-    moe_total = router + cfg.n_routed_experts * expert + shared
-    moe_active = router + cfg.top_k * expert + shared
-    embedding = V * D
-    head = 0 if cfg.tie_embeddings else V * D
-    n_dense, n_moe = cfg.n_dense_layers, cfg.n_moe_layers
-    body_total = cfg.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_total
-    body_active = cfg.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * moe_active
-    total = embedding + head + D + body_total
-    active = embedding + head + D + body_active
-    return ParamCounts(
-        total=total, mtp=0, total_with_mtp=total, active=active,
-        active_nonembedding=active - embedding if head else active,
-        embedding=embedding, head=head, attention_per_layer=attn, dense_ffn_per_layer=dense_ffn, expert=expert,
-        moe_layer_total=moe_total, moe_layer_active=moe_active,
-    )
 
 
 @dataclass(frozen=True)
@@ -322,9 +203,9 @@ class FlopsBreakdown:
         return d
 
 
-def flops_breakdown(cfg: "ModelConfig | GQAMoEConfig", seq_len: int, mtp_depth: int | None = None) -> FlopsBreakdown:
-    """Per-component Megatron FLOPs per token of ``cfg`` (a DeepSeek-V3 :class:`ModelConfig` or a
-    :class:`GQAMoEConfig`) at sequence length ``seq_len``; the components sum to the ``megatron`` figure.
+def flops_breakdown(cfg: ModelConfig, seq_len: int, mtp_depth: int | None = None) -> FlopsBreakdown:
+    """Per-component Megatron FLOPs per token of ``cfg`` (any family: MLA or GQA attention through the config's
+    hooks) at sequence length ``seq_len``; the components sum to the ``megatron`` figure.
 
     Raises:
         ValueError: seq_len < 1.
@@ -332,19 +213,11 @@ def flops_breakdown(cfg: "ModelConfig | GQAMoEConfig", seq_len: int, mtp_depth: 
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1")
     h, V = cfg.dim, cfg.vocab_size
-    if isinstance(cfg, GQAMoEConfig):
-        mtp = 0 if mtp_depth is None else mtp_depth
-        if mtp:
-            raise ValueError("GQA models have no MTP modules; mtp_depth must be 0")
-        proj = 6.0 * gqa_attention_projection_flops_factor(cfg)
-        core = 6.0 * cfg.n_heads * cfg.head_dim * seq_len  # QK^T and AV, each q_size * L / 2
-        f_shared = cfg.shared_ffn_dim
-    else:
-        mtp = cfg.mtp_depth if mtp_depth is None else mtp_depth
-        proj = 6.0 * mla_projection_flops_factor(cfg)
-        H = cfg.n_heads
-        core = 6.0 * seq_len * (H * cfg.qk_head_dim / 2 + H * cfg.v_head_dim / 2)
-        f_shared = cfg.n_shared_experts * cfg.expert_ffn_dim
+    mtp = cfg.mtp_depth if mtp_depth is None else mtp_depth
+    proj = 6.0 * mla_projection_flops_factor(cfg)
+    qk_width, v_width = cfg.attention_core_dims
+    core = 6.0 * seq_len * (qk_width / 2 + v_width / 2)
+    f_shared = cfg.shared_ffn_width
     return FlopsBreakdown(
         attn_proj=proj, attn_core=core,
         dense_ffn=6.0 * 3 * h * cfg.dense_ffn_dim,
@@ -355,18 +228,3 @@ def flops_breakdown(cfg: "ModelConfig | GQAMoEConfig", seq_len: int, mtp_depth: 
         n_dense=cfg.n_dense_layers, n_moe=cfg.n_layers - cfg.n_dense_layers + mtp, n_layers=cfg.n_layers + mtp,
         n_heads_out=mtp + 1, mtp_depth=mtp, seq_len=seq_len,
     )
-
-
-def flops_per_token_gqa(cfg: GQAMoEConfig, seq_len: int) -> FlopsPerToken:
-    """Training FLOPs per token of a GQA MoE model: Megatron's ``num_floating_point_operations`` (MHA/GQA branch,
-    SwiGLU, causal half-square attention) and the 6N + full-square-attention estimate.
-
-    Raises:
-        ValueError: seq_len < 1.
-    """
-    b = flops_breakdown(cfg, seq_len)
-    dense = b.total - b.n_layers * b.attn_core
-    counts = count_params_gqa(cfg)
-    six_n = 6 * counts.active_nonembedding + 6 * cfg.n_layers * cfg.n_heads * 2 * cfg.head_dim * seq_len
-    return FlopsPerToken(megatron=b.total, six_n=float(six_n), megatron_dense=float(dense),
-                         megatron_attention=float(b.n_layers * b.attn_core), seq_len=seq_len)

@@ -35,15 +35,17 @@ def cmd_count(args: argparse.Namespace) -> int:
     p = count_params(cfg)
     f = flops_per_token(cfg, args.seq_len)
     if args.json:
-        print(json.dumps({"model": name, "params": p.to_dict(), "flops_per_token": f.to_dict()}, indent=2))
+        print(json.dumps({"model": name, "family": cfg.family.value, "params": p.to_dict(),
+                          "flops_per_token": f.to_dict()}, indent=2))
         return 0
     b, unit = (1e9, "B") if p.total >= 1e9 else (1e6, "M")
-    print(f"model {name}  (seq_len {args.seq_len}, MTP depth {cfg.mtp_depth})")
+    print(f"model {name}  ({cfg.family.value}, seq_len {args.seq_len}, MTP depth {cfg.mtp_depth})")
     print(f"  total parameters (no MTP)             {p.total / b:10.3f} {unit}")
     print(f"  MTP modules (unique)                  {p.mtp / b:10.3f} {unit}")
     print(f"  total incl. MTP                       {p.total_with_mtp / b:10.3f} {unit}")
     print(f"  active per token incl. embedding      {p.active / b:10.3f} {unit}")
     print(f"  active per token excl. embedding      {p.active_nonembedding / b:10.3f} {unit}")
+    print(f"  active per token excl. routers        {p.active_without_router / b:10.3f} {unit}")
     print(f"  training FLOPs/token, Megatron-Core   {f.megatron / 1e9:10.2f} GFLOP "
           f"(dense {f.megatron_dense / 1e9:.2f} + attention {f.megatron_attention / 1e9:.2f})")
     print(f"  training FLOPs/token, 6N + attention  {f.six_n / 1e9:10.2f} GFLOP (TorchTitan-style, full attention square)")

@@ -52,6 +52,7 @@ else:  # pragma: no cover
 from moetrain.data.config import MIN_BPE_VOCAB, DataConfig
 from moetrain.layout import LAYOUT_FIELDS, TRAINER_KEY_ALIASES, Schedule, translate_aliases
 from moetrain.model.config import PRESET_JOB_DEFAULTS, PRESETS, ConfigError, ModelConfig, from_dict_strict, get_preset
+from moetrain.model.registry import spec_of_family
 from moetrain.parallel.config import ParallelConfig, more_ranks
 from moetrain.train.config import TrainConfig
 
@@ -98,7 +99,8 @@ class JobConfig:
     notes: list[str] = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"preset": self.preset, **{s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}}
+        return {"preset": self.preset, **{s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS},
+                "model": self.model.to_dict()}
 
 
 def _parse_value(text: str) -> Any:
@@ -274,6 +276,7 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
     model_raw = sections.get("model", {})
     preset = model_raw.pop("preset", None)
     hf_config = model_raw.pop("hf_config", None)
+    family = model_raw.get("family")
     init_from = sections.get("train", {}).get("init_from")
     if init_from is not None:
         init = Path(str(init_from))
@@ -290,7 +293,9 @@ def build_job_config(sections: dict[str, dict[str, Any]] | None = None,
         base = load_hf_config(hf_config)
         preset = f"hf:{hf_config}"
     else:
-        preset = preset or DEMO_PRESET
+        # a model section of another family without a preset (a saved run of a model read from a HF config)
+        # starts from that family's demo preset
+        preset = preset or (DEMO_PRESET if family is None else spec_of_family(family).demo_preset)
         base = get_preset(preset)
     model = base.replace(**model_raw) if model_raw else base
     defaults = preset_job_defaults(preset, model)
@@ -496,7 +501,11 @@ def describe_config(job: JobConfig | None = None, section: str | None = None) ->
         out.append("`--help-config SECTION` prints the full meaning of each field of one section.")
     for name in (section,) if full else SECTIONS:
         cls = SECTION_CLASSES[name]
-        docs, hints = field_docs(cls), typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        if name == "model":  # the job's family: the common fields and its own
+            cls = type(job.model)
+            docs = {**docs, **field_docs(cls)}
+        hints = typing.get_type_hints(cls)
         values = dataclasses.asdict(getattr(job, name))
         rows = [(f.name, _type_name(hints[f.name]), format_value(values[f.name]),
                  docs.get(f.name, "").replace("``", "")) for f in dataclasses.fields(cls)]

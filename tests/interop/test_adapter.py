@@ -4,16 +4,18 @@ without any change to the loader or the writer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-import moetrain.interop.registry as registry
+import moetrain.model.registry as registry
 from moetrain.interop.adapter import StateMap
-from moetrain.interop.deepseek import DeepSeekAdapter
+from moetrain.model.deepseek.adapter import DeepSeekAdapter
 from moetrain.interop.hf import hf_tensor_names, load_hf_checkpoint, load_hf_config, save_hf_checkpoint
 from moetrain.interop.registry import adapter_for_config, adapter_for_hf_config, supported_model_types
+from moetrain.model.config import DeepSeekV3Config
 from moetrain.model import ConfigError, ModelConfig, build_model
 
 
@@ -23,7 +25,7 @@ def micro(**changes) -> ModelConfig:
                 q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_seq_len=32,
                 mtp_depth=1, init_std=0.05)
     base.update(changes)
-    return ModelConfig(**base)
+    return DeepSeekV3Config(**base)
 
 
 def test_registry_picks_deepseek_by_model_type_architecture_or_default():
@@ -35,8 +37,9 @@ def test_registry_picks_deepseek_by_model_type_architecture_or_default():
 
 
 def test_unsupported_model_type_or_architecture_names_the_supported_types():
-    with pytest.raises(ConfigError, match=r"model_type='qwen3_moe' is not supported.*'deepseek_v3'.*'deepseek_v2'"):
-        adapter_for_hf_config({"model_type": "qwen3_moe"})
+    with pytest.raises(ConfigError, match=r"model_type='mixtral' is not supported.*'deepseek_v3'.*'deepseek_v2'.*"
+                                          r"'qwen3_moe'"):
+        adapter_for_hf_config({"model_type": "mixtral"})
     with pytest.raises(ConfigError, match=r"architectures=\['LlamaForCausalLM'\].*'deepseek_v3'"):
         adapter_for_hf_config({"architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ConfigError, match="expected a config dict"):
@@ -80,7 +83,8 @@ class _Renamed(DeepSeekAdapter):
 
 def test_a_second_adapter_round_trips_through_the_same_loader_and_writer(tmp_path, monkeypatch):
     cfg = micro()
-    monkeypatch.setattr(registry, "ADAPTERS", (_Renamed(), DeepSeekAdapter()))
+    specs = registry.SPECS
+    monkeypatch.setattr(registry, "SPECS", (dataclasses.replace(specs[0], adapter=_Renamed()),) + specs)
     src = build_model(cfg, seed=0)
     out = save_hf_checkpoint(src, tmp_path / "toy", max_shard_bytes=20_000)
     hf_cfg = json.loads((out / "config.json").read_text())
@@ -95,6 +99,6 @@ def test_a_second_adapter_round_trips_through_the_same_loader_and_writer(tmp_pat
         assert torch.equal(a, b), k
 
     # Without that adapter registered, its config.json is refused by name.
-    monkeypatch.setattr(registry, "ADAPTERS", (DeepSeekAdapter(),))
+    monkeypatch.setattr(registry, "SPECS", specs)
     with pytest.raises(ConfigError, match="model_type='toy_moe' is not supported"):
         load_hf_config(out)

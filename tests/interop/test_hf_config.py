@@ -10,7 +10,7 @@ import pytest
 from moetrain.cli import main
 from moetrain.errors import ConfigError
 from moetrain.interop.hf import config_from_hf, config_to_hf, load_hf_config
-from moetrain.interop.hf_config import HFConfigReader, read_config_json
+from moetrain.model.hf_config import HFConfigReader, read_config_json
 from moetrain.model import get_preset
 
 

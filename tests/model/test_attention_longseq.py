@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from moetrain.model.attention import MLA
+from moetrain.model.deepseek.attention import MLA
 from moetrain.model.config import get_preset, tiny
 from moetrain.model.layers import apply_rope, rope_cos_sin
 
@@ -87,7 +87,7 @@ def test_mla_runs_on_the_flash_kernel(preset: str) -> None:
 
 _MEMORY_PROBE = textwrap.dedent("""
     import json, torch
-    from moetrain.model.attention import MLA
+    from moetrain.model.deepseek.attention import MLA
     from moetrain.model.config import tiny
     from moetrain.model.layers import rope_cos_sin
     torch.set_num_threads(2)

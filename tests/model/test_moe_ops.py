@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moetrain.accounting import count_params, flops_per_token
+from moetrain.model.config import DeepSeekV3Config
 from moetrain.model import PRESETS, ConfigError, ModelConfig, build_model, get_preset
 from moetrain.model.layers import SwiGLU, rope_cos_sin, rope_inv_freq
 from moetrain.model.moe import (CapacityConfig, GroupedExperts, MoE, Router, balanced_assignment, capacity_keep_mask,
@@ -20,7 +21,7 @@ def moe_cfg(**changes) -> ModelConfig:
                 q_lora_rank=0, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                 rope_factor=1.0, max_seq_len=64, mtp_depth=0)
     base.update(changes)
-    return ModelConfig(**base)
+    return DeepSeekV3Config(**base)
 
 
 def hand_router(scores: list[list[float]], **changes) -> tuple[Router, torch.Tensor]:

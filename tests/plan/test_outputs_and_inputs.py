@@ -7,13 +7,11 @@ import json
 import pytest
 
 from moetrain.accounting import (
-    GQAMoEConfig,
-    count_params_gqa,
+    count_params,
     flops_breakdown,
     flops_per_token,
-    flops_per_token_gqa,
 )
-from moetrain.model.config import PRESETS, get_preset
+from moetrain.model.config import PRESETS, Qwen3MoeConfig, get_preset
 from moetrain.plan import Plan, predict
 from moetrain.plan.cli import main as plan_main
 from moetrain.plan.hardware import HardwareError, get_gpu, gpu_from_bench, load_gpu_file
@@ -40,12 +38,12 @@ def test_flops_breakdown_sums_to_the_accounting(name):
 
 
 def test_gqa_accounting_mixtral():
-    cfg = GQAMoEConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-                       expert_ffn_dim=14336, n_routed_experts=8, top_k=2)
-    p = count_params_gqa(cfg)
+    cfg = Qwen3MoeConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         expert_ffn_dim=14336, n_routed_experts=8, top_k=2, qk_norm=False)
+    p = count_params(cfg)
     assert p.total == pytest.approx(46.70e9, rel=2e-3)  # Mixtral 8x7B: 46.7B total
     assert p.active == pytest.approx(12.88e9, rel=5e-3)  # ~12.9B active
-    f = flops_per_token_gqa(cfg, 4096)
+    f = flops_per_token(cfg, 4096)
     h, L = 4096, 4096
     attn = 6 * (h * (4096 + 2 * 1024) + 4096 * h) + 6 * 4096 * L
     mlp = 6 * 3 * h * 14336 * 2

@@ -326,7 +326,7 @@ class CudaAutocast:
                            "support for cuda devices'); runs with a CUDA build of torch (no GPU needed)")
 @pytest.mark.parametrize("preset", PRESETS)
 def test_mla_under_bf16_autocast_feeds_sdpa_and_fp8_projections(gpu, preset):
-    from moetrain.model.attention import MLA
+    from moetrain.model.deepseek.attention import MLA
     from moetrain.model.layers import rope_cos_sin
 
     gpu(HOPPER)

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from moetrain.train.export import export_run
-from moetrain.interop.deepseek import is_fp8_weight
+from moetrain.model.deepseek.adapter import is_fp8_weight
 from moetrain.interop.hf import FP8_QUANTIZATION_CONFIG, iter_hf_state, load_hf_checkpoint
 from moetrain.model import build_model, get_preset
 from moetrain.parallel.config import ParallelConfig

@@ -32,7 +32,7 @@ from moetrain.interop.fp8_blocks import (  # noqa: F401 - FP8_QUANTIZATION_CONFI
     check_scale_shape,
     dequantize_fp8_blockwise,
 )
-from moetrain.interop.hf_config import read_config_json
+from moetrain.model.hf_config import read_config_json
 from moetrain.interop.registry import adapter_for_config, adapter_for_hf_config
 from moetrain.interop.safetensors_io import (
     CONFIG_NAME,

@@ -1,18 +1,18 @@
 """Basic layers: RMSNorm, rotary position embedding with YaRN, a linear with delayable weight gradient, SwiGLU FFN.
 
-Shape legend: B batch, L sequence length, H heads, R rotary dim (qk_rope_head_dim), D model dim, F FFN dim.
+Shape legend: B batch, L sequence length, H heads, R rotary dim (``cfg.rope_dim``), D model dim, F FFN dim.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.config import ModelConfig
+from moetrain.model.config_base import ModelConfig
 from moetrain.model.phases import current_tape, weight_grad
 
 
@@ -37,45 +37,48 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (R/2,) of the rotary embedding, with YaRN interpolation when ``rope_factor > 1``.
+    """Inverse frequencies (R/2,) of the rotary embedding over ``cfg.rope_dim``, with YaRN interpolation when the
+    config has YaRN scaling (``cfg.yarn``).
 
     YaRN (Peng et al. 2023, arXiv 2309.00071): dimensions whose wavelength is short relative to the original context
     keep their frequency (extrapolation), long ones are divided by ``factor`` (interpolation), with a linear ramp
     between the correction bounds given by beta_fast / beta_slow rotations. Bounds are floored/ceiled as in the
     DeepSeek-V3 reference and HF ``_compute_yarn_parameters`` (truncate=True).
     """
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    dim, base, yarn = cfg.rope_dim, cfg.rope_theta, cfg.yarn
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if cfg.rope_factor <= 1.0:
+    if yarn is None:
         return freqs
 
     def correction_dim(n_rot: float) -> float:
-        return dim * math.log(cfg.rope_original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+        return dim * math.log(yarn.original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1.0 - ramp
-    return freqs / cfg.rope_factor * (1 - extrapolation_weight) + freqs * extrapolation_weight
+    return freqs / yarn.factor * (1 - extrapolation_weight) + freqs * extrapolation_weight
 
 
 def rope_cos_sin(cfg: ModelConfig, seq_len: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (L, R/2), fp32, for positions 0..L-1.
 
-    YaRN's attention-temperature factor mscale(factor, mscale)/mscale(factor, mscale_all_dim) multiplies both tables
-    (it is 1.0 for DeepSeek-V3, whose softmax scale absorbs the correction instead; see ``ModelConfig.softmax_scale``).
+    Under YaRN, the attention-temperature factor mscale(factor, mscale)/mscale(factor, mscale_all_dim) multiplies
+    both tables (it is 1.0 for DeepSeek-V3, whose softmax scale absorbs the correction instead; see
+    ``DeepSeekV3Config.softmax_scale``).
     """
     inv = rope_inv_freq(cfg).to(device)
     t = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles_LR = torch.outer(t, inv)
     scale = 1.0
-    if cfg.rope_factor > 1.0:
+    yarn = cfg.yarn
+    if yarn is not None:
         def m(s: float) -> float:
-            return 0.1 * s * math.log(cfg.rope_factor) + 1.0
+            return 0.1 * s * math.log(yarn.factor) + 1.0
         # Without both mscale values YaRN's default temperature 0.1 ln(factor) + 1 applies (as in HF).
-        scale = m(cfg.rope_mscale) / m(cfg.rope_mscale_all_dim) if cfg.rope_mscale and cfg.rope_mscale_all_dim else m(1.0)
+        scale = m(yarn.mscale) / m(yarn.mscale_all_dim) if yarn.mscale and yarn.mscale_all_dim else m(1.0)
     return angles_LR.cos() * scale, angles_LR.sin() * scale
 
 
@@ -97,6 +100,15 @@ def apply_rope(x: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, inte
         x1, x2 = xf[..., :half], xf[..., half:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Base of every family's attention module: forward(x_BLD, cos_LR, sin_LR) -> (B, L, D), causal.
+
+    Class attribute ``projections``: the names of its projection linears, which FP8 training runs in FP8
+    (``moetrain.precision.apply``); the attention core between them stays in high precision."""
+
+    projections: ClassVar[tuple[str, ...]]
 
 
 class _LinearDeferredWgrad(torch.autograd.Function):

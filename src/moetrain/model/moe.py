@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain import devices
-from moetrain.model.config import ModelConfig
+from moetrain.model.config_base import BalanceLoss, ModelConfig
 from moetrain.model.layers import SwiGLU
 from moetrain.model.phases import carry, current_tape, weight_grad
 from moetrain.precision.grouped import fp8_expert_swiglu
@@ -127,6 +127,34 @@ def sequence_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_
     f_BE = sel_BE * (E / K) / n_B
     p_BE = (scores_TE / scores_TE.sum(dim=-1, keepdim=True) * w_T.unsqueeze(-1)).view(n_seqs, L, E).sum(dim=1) / n_B
     return (f_BE * p_BE).sum()
+
+
+def batch_balance_loss(scores_TE: torch.Tensor, topk_idx_TK: torch.Tensor, n_seqs: int,
+                       valid_T: torch.Tensor | None = None,
+                       reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Balance loss over a whole batch (Switch Transformer eqs. 4-6, as transformers' ``load_balancing_loss_func``
+    computes it for one layer), times the number of sequences it covers, without alpha.
+
+    loss = E * sum_i f_i P_i with f_i = #{(t, k) : topk(t)_k = i} / T (the share of tokens sent to expert i; the
+    f_i sum to K) and P_i = mean_t s_{i,t} / sum_j s_{j,t}, over the T counted tokens (``valid_T``; all by default).
+    With ``reduce`` (a sum over the data-parallel group of the detached counts [#i..., T, sequences]) the f_i and
+    the means are those of the global batch and this rank's share is returned: summed over the group, the shares
+    are exactly the single-process loss of the global batch (global-batch balance, arXiv 2501.11817; gradients flow
+    through this rank's scores only, the counts are constants). Returns an fp32 scalar: the loss times the batch's
+    sequences (global with ``reduce``), so that dividing the sum over micro-batches and ranks by the global number
+    of sequences (as the trainer does for every balance loss) gives the sequence-weighted mean of the batch losses.
+    """
+    T, E = scores_TE.shape
+    w_T = (torch.ones(T, device=scores_TE.device) if valid_T is None else valid_T.to(torch.float32))
+    K = topk_idx_TK.shape[1]
+    counts_E = torch.zeros(E, device=scores_TE.device, dtype=torch.float32).scatter_add_(
+        0, topk_idx_TK.reshape(-1), w_T.unsqueeze(1).expand(T, K).reshape(-1))
+    p_sum_E = (scores_TE / scores_TE.sum(dim=-1, keepdim=True) * w_T.unsqueeze(-1)).sum(dim=0)
+    stats = torch.cat([counts_E, w_T.sum().view(1), w_T.new_full((1,), float(n_seqs))]).detach()
+    if reduce is not None:
+        stats = reduce(stats)
+    counts_E, n_tok, n_seq = stats[:E], stats[E].clamp(min=1), stats[E + 1]
+    return n_seq * E * (counts_E / n_tok * p_sum_E / n_tok).sum()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -617,7 +645,8 @@ class MoEStats(NamedTuple):
     Attributes:
         tokens_per_expert_E: int64 counts of assignments per routed expert (all E, before capacity drops) -- the
             load used by auxiliary-loss-free balancing and the load-imbalance metrics.
-        balance_loss_sum: sequence-wise balance loss summed over this micro-batch's sequences (fp32 scalar, no alpha).
+        balance_loss_sum: the balance loss times the sequences it covers (fp32 scalar, no alpha): the sequence-wise
+            loss summed over this micro-batch's sequences, or :func:`batch_balance_loss`.
         dropped: token-expert assignments dropped by the capacity limit (int64 scalar; 0 when dropless).
     """
 
@@ -627,7 +656,8 @@ class MoEStats(NamedTuple):
 
 
 class MoE(nn.Module):
-    """DeepSeekMoE FFN: routed experts chosen by :class:`Router` plus always-on shared experts.
+    """DeepSeekMoE FFN: routed experts chosen by :class:`Router` plus always-on shared experts (none in Qwen3-MoE).
+    The balance loss is counted over the tokens ``cfg.balance_loss`` names (per sequence, micro-batch or global batch).
 
     forward(x_BLD, valid_BL=None) -> (y_BLD, MoEStats); ``valid_BL`` (bool) marks the tokens that count in the expert
     loads and the balance loss (padding, label -100, does not). ``dispatcher`` defaults to :class:`LocalDispatcher`; ``n_chunks > 1`` splits
@@ -645,6 +675,10 @@ class MoE(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher(cfg.n_routed_experts)
         self.n_chunks = 1
         self.compute_balance_loss = cfg.balance_loss_alpha > 0
+        self.balance_loss = cfg.balance_loss
+        # BalanceLoss.GLOBAL_BATCH: sums the detached expert counts over the data-parallel group (set by
+        # moetrain.parallel.parallelize; None in a single process, where the micro-batch is the global batch).
+        self.reduce_balance_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x_BLD: torch.Tensor, valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats]:
         B, L, D = x_BLD.shape
@@ -659,8 +693,11 @@ class MoE(nn.Module):
                 keep = valid_T.unsqueeze(1).expand_as(r.topk_idx_TK).reshape(-1).long()
                 counts_E = torch.zeros(self.gate.n_experts, dtype=torch.long, device=idx.device).scatter_add_(
                     0, idx, keep)
-        if self.compute_balance_loss:
+        if self.compute_balance_loss and self.balance_loss == BalanceLoss.SEQUENCE:
             balance = sequence_balance_loss(r.scores_TE, r.topk_idx_TK, B, valid_T)
+        elif self.compute_balance_loss:
+            reduce = self.reduce_balance_counts if self.balance_loss == BalanceLoss.GLOBAL_BATCH else None
+            balance = batch_balance_loss(r.scores_TE, r.topk_idx_TK, B, valid_T, reduce)
         else:
             balance = x_TD.new_zeros((), dtype=torch.float32)
 

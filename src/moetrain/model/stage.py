@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetrain.model.config import ModelConfig
+from moetrain.model.config_base import ModelConfig
 from moetrain.model.moe import MoE, MoEStats
 from moetrain.model.phases import carry
 from moetrain.model.transformer import (Block, RopeCache, Transformer, ce_sum, loss_mask, mtp_ce_sums,

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from moetrain.model.attention import MLA
-from moetrain.model.config import ModelConfig
+from moetrain.model.config_base import ModelConfig
 from moetrain.model.init import ShardBox, full_box, normal_box_
 from moetrain.model.layers import Linear, RMSNorm, SwiGLU, rope_cos_sin
 from moetrain.model.moe import MoE, MoEStats
@@ -25,7 +24,8 @@ IGNORE_INDEX = -100
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + MLA(norm(x)), then + FFN(norm(x)) with a dense SwiGLU or an MoE FFN.
+    """Pre-norm transformer block: x + attention(norm(x)) (the family's: ``cfg.build_attention()``), then
+    + FFN(norm(x)) with a dense SwiGLU or an MoE FFN.
 
     forward(x_BLD, cos, sin, valid_BL=None) -> (x_BLD, MoEStats or None); ``valid_BL`` marks the tokens that count in
     an MoE layer's statistics. Names match the released checkpoint (``self_attn``,
@@ -35,7 +35,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = MLA(cfg)
+        self.self_attn = cfg.build_attention()
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if moe else SwiGLU(cfg.dim, cfg.dense_ffn_dim)
         self.recompute = False  # activation checkpointing, switched on by parallelize()

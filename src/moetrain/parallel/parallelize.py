@@ -24,9 +24,10 @@ layout-independent init, so the weights equal a single process's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -34,6 +35,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from moetrain.layout import Recompute
 from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher
 from moetrain.model.transformer import Transformer, init_weights
+from moetrain.parallel.comm import named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher
 from moetrain.parallel.mesh import ParallelContext
 
@@ -69,6 +71,8 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             moe.dispatcher = LocalDispatcher(E, capacity)
         if ctx.distributed:
             place_experts(moe.experts, ctx)
+        if ctx.distributed:
+            moe.reduce_balance_counts = _stage_sum(ctx)
         # 2. chunked overlap
         moe.n_chunks = pcfg.n_chunks
     # 3. activation checkpointing
@@ -106,6 +110,17 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
                 mod.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _stage_sum(ctx: ParallelContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Sum of a small detached tensor over this rank's pipeline stage (the data-parallel group: every rank that reads
+    other tokens): the global-batch balance loss's expert counts (``moetrain.model.moe.batch_balance_loss``)."""
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        with named_phase("global-batch balance-loss counts all-reduce"):
+            dist.all_reduce(t, group=ctx.stage_group)
+        return t
+    return reduce
 
 
 def expert_shard_dim(shape: tuple[int, ...], edp: int) -> Shard:

@@ -1,7 +1,9 @@
 """The model as the performance model sees it: sizes, parameters per component, FLOPs per component.
 
-A :class:`ModelShape` wraps either a DeepSeek-V3 :class:`~moetrain.model.config.ModelConfig` (multi-head latent
-attention) or a :class:`~moetrain.accounting.GQAMoEConfig` (grouped-query attention: Mixtral, Qwen-MoE, ...). All
+A :class:`ModelShape` wraps a model config, the trainer's own type: a
+:class:`~moetrain.model.deepseek.config.DeepSeekV3Config` (multi-head latent attention) or a
+:class:`~moetrain.model.qwen3.config.Qwen3MoeConfig` (grouped-query attention: Qwen3-MoE, and, with its planner-only
+fields ``qkv_bias`` / ``qk_norm`` / ``shared_ffn_dim``, Mixtral, Qwen2-MoE, ... predicted structurally). All
 FLOPs and parameter counts come from :mod:`moetrain.accounting` -- the same functions ``moetrain count`` uses -- so
 the TFLOP/s this package predicts are the TFLOP/s the trainer would report.
 
@@ -17,21 +19,13 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-from moetrain.accounting import (
-    FlopsBreakdown,
-    GQAMoEConfig,
-    ParamCounts,
-    count_params,
-    count_params_gqa,
-    flops_breakdown,
-    flops_per_token,
-    flops_per_token_gqa,
-)
-from moetrain.model.config import ConfigError, ModelConfig, PRESETS, get_preset
+from moetrain.accounting import FlopsBreakdown, ParamCounts, count_params, flops_breakdown, flops_per_token
+from moetrain.model.config import PRESETS, ConfigError, DeepSeekV3Config, ModelConfig, Qwen3MoeConfig, get_preset
+from moetrain.model.registry import supported_model_types
 
-AnyConfig = Union[ModelConfig, GQAMoEConfig]
+AnyConfig = ModelConfig
 
 
 class ShapeError(ValueError):
@@ -44,7 +38,7 @@ class ModelShape:
 
     Attributes:
         name: label for reports.
-        config: the underlying accounting config (ModelConfig or GQAMoEConfig).
+        config: the underlying model config (DeepSeekV3Config or Qwen3MoeConfig).
         attention: "mla" or "gqa".
         vocab, dim, n_layers, n_dense_layers, mtp_depth: V, h, decoder layers, dense layers, MTP modules.
         dense_ffn, expert_ffn, shared_ffn: widths of the dense FFN, of one routed expert, of all shared experts.
@@ -83,8 +77,6 @@ class ModelShape:
     # ---- accounting (single source: moetrain.accounting) ----------------------------------------------------
     @cached_property
     def params(self) -> ParamCounts:
-        if isinstance(self.config, GQAMoEConfig):
-            return count_params_gqa(self.config)
         return count_params(self.config)
 
     def flops(self, seq_len: int) -> FlopsBreakdown:
@@ -93,8 +85,6 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Megatron FLOPs per token -- the number behind every TFLOP/s this package prints."""
-        if isinstance(self.config, GQAMoEConfig):
-            return flops_per_token_gqa(self.config, seq_len).megatron
         return flops_per_token(self.config, seq_len).megatron
 
     @property
@@ -178,35 +168,40 @@ class ModelShape:
 
 
 def shape_from_config(cfg: AnyConfig, name: str | None = None) -> ModelShape:
-    """Wrap an accounting config in a :class:`ModelShape`."""
-    if isinstance(cfg, GQAMoEConfig):
+    """Wrap a model config in a :class:`ModelShape`.
+
+    Raises:
+        ShapeError: a config of a family the cost model does not know."""
+    if isinstance(cfg, Qwen3MoeConfig):
         return ModelShape(
-            name=name or cfg.name, config=cfg, attention="gqa", vocab=cfg.vocab_size, dim=cfg.dim,
-            n_layers=cfg.n_layers, n_dense_layers=cfg.n_dense_layers, mtp_depth=0, dense_ffn=cfg.dense_ffn_dim,
-            expert_ffn=cfg.expert_ffn_dim, shared_ffn=cfg.shared_ffn_dim, n_experts=cfg.n_routed_experts,
-            top_k=cfg.top_k, n_expert_groups=1, n_limited_groups=1, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-            qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, q_lora=0, kv_lora=0, qk_rope=0,
-            tie_embeddings=cfg.tie_embeddings,
+            name=name or "custom", config=cfg, attention="gqa", vocab=cfg.vocab_size, dim=cfg.dim,
+            n_layers=cfg.n_layers, n_dense_layers=cfg.n_dense_layers, mtp_depth=cfg.mtp_depth,
+            dense_ffn=cfg.dense_ffn_dim if cfg.n_dense_layers else 0, expert_ffn=cfg.expert_ffn_dim,
+            shared_ffn=cfg.shared_ffn_width, n_experts=cfg.n_routed_experts, top_k=cfg.top_k,
+            n_expert_groups=cfg.n_expert_groups, n_limited_groups=cfg.n_limited_groups, n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads, qk_head_dim=cfg.head_dim, v_head_dim=cfg.head_dim, q_lora=0, kv_lora=0,
+            qk_rope=0, tie_embeddings=cfg.tie_embeddings,
         )
-    if isinstance(cfg, ModelConfig):
+    if isinstance(cfg, DeepSeekV3Config):
         return ModelShape(
             name=name or "custom", config=cfg, attention="mla", vocab=cfg.vocab_size, dim=cfg.dim,
             n_layers=cfg.n_layers, n_dense_layers=cfg.n_dense_layers, mtp_depth=cfg.mtp_depth,
             dense_ffn=cfg.dense_ffn_dim, expert_ffn=cfg.expert_ffn_dim,
-            shared_ffn=cfg.n_shared_experts * cfg.expert_ffn_dim, n_experts=cfg.n_routed_experts, top_k=cfg.top_k,
+            shared_ffn=cfg.shared_ffn_width, n_experts=cfg.n_routed_experts, top_k=cfg.top_k,
             n_expert_groups=cfg.n_expert_groups, n_limited_groups=cfg.n_limited_groups, n_heads=cfg.n_heads,
             n_kv_heads=cfg.n_heads, qk_head_dim=cfg.qk_head_dim, v_head_dim=cfg.v_head_dim,
             q_lora=cfg.q_lora_rank, kv_lora=cfg.kv_lora_rank, qk_rope=cfg.qk_rope_head_dim,
             tie_embeddings=cfg.tie_embeddings,
         )
-    raise ShapeError(f"expected a ModelConfig or GQAMoEConfig, got {type(cfg).__name__}")
+    raise ShapeError(f"expected a DeepSeekV3Config or Qwen3MoeConfig, got {type(cfg).__name__}")
 
 
 # ---- HF config.json ------------------------------------------------------------------------------------------
 
 #: model_type values read as DeepSeek (MLA) models, through moetrain.interop.hf.config_from_hf.
 DEEPSEEK_TYPES = ("deepseek_v3", "deepseek_v2")
-#: model_type values read as GQA MoE models by :func:`gqa_config_from_hf`.
+#: model_type values read as GQA MoE models by :func:`gqa_config_from_hf` (qwen3_moe, which moetrain trains, is read
+#: through its family's adapter like the DeepSeek types: plan and run then hold the same config).
 GQA_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen_moe", "olmoe", "gpt_oss", "phimoe", "granitemoe",
              "jetmoe", "minimax", "llama4_text", "glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "dots1")
 
@@ -231,7 +226,7 @@ def _first(d: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> GQAMoEConfig:
+def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> Qwen3MoeConfig:
     """Read a Mixtral / Qwen-MoE style HF ``config.json`` (grouped-query attention + routed experts).
 
     Recognised keys: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
@@ -244,10 +239,11 @@ def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> GQAMoEConfig
     expert of the routed width in every MoE layer.
     Mixtral's experts have width ``intermediate_size`` (it has no moe_intermediate_size). Layers in
     ``mlp_only_layers`` (or left dense by ``decoder_sparse_step``) are counted as dense layers; only their number
-    matters for the cost model.
+    matters for the cost model. The result is a :class:`Qwen3MoeConfig` with the planner-only fields set
+    (``qkv_bias``, ``qk_norm`` for Qwen3 only, ``shared_ffn_dim``); ``name`` labels it in error messages.
 
     Raises:
-        ShapeError: a required key is missing or the config has no routed experts.
+        ShapeError: a required key is missing, the config has no routed experts, or its sizes are inconsistent.
     """
     try:
         h = int(d["hidden_size"])
@@ -283,17 +279,17 @@ def gqa_config_from_hf(d: dict[str, Any], name: str = "gqa-moe") -> GQAMoEConfig
     if step > 1:
         n_dense = max(n_dense, n_layers - n_layers // step)
     try:
-        return GQAMoEConfig(
+        return Qwen3MoeConfig(
             vocab_size=vocab, dim=h, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
             expert_ffn_dim=moe_inter, n_routed_experts=int(n_exp), top_k=top_k, n_dense_layers=n_dense,
-            dense_ffn_dim=dense_inter if n_dense else 0, shared_ffn_dim=shared,
-            qkv_bias=bool(_first(d, "qkv_bias", "attention_bias", default=False)),
+            dense_ffn_dim=dense_inter if n_dense else 0, n_shared_experts=0,
+            shared_ffn_dim=shared, qkv_bias=bool(_first(d, "qkv_bias", "attention_bias", default=False)),
             qk_norm=d.get("model_type") == "qwen3_moe",
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_seq_len=int(_first(d, "max_position_embeddings", default=32_768)), name=name,
+            max_seq_len=int(_first(d, "max_position_embeddings", default=32_768)),
         )
-    except ValueError as e:
-        raise ShapeError(f"config.json is not a valid GQA MoE shape: {e}") from None
+    except ConfigError as e:
+        raise ShapeError(f"config.json of {name} is not a valid GQA MoE shape: {e}") from None
 
 
 def shape_from_hf(d: dict[str, Any], name: str = "hf") -> ModelShape:
@@ -303,8 +299,8 @@ def shape_from_hf(d: dict[str, Any], name: str = "hf") -> ModelShape:
         ShapeError: unsupported or inconsistent config (the message says why).
     """
     mt = d.get("model_type")
-    is_deepseek = mt in DEEPSEEK_TYPES or (mt is None and "kv_lora_rank" in d)
-    if is_deepseek:
+    trained = mt in supported_model_types() or (mt is None and "kv_lora_rank" in d)
+    if trained:
         try:
             from moetrain.interop.hf import config_from_hf
         except ImportError as e:  # pragma: no cover - interop is developed concurrently
@@ -312,7 +308,7 @@ def shape_from_hf(d: dict[str, Any], name: str = "hf") -> ModelShape:
         try:
             return shape_from_config(config_from_hf(d), name=name)
         except ConfigError as e:
-            raise ShapeError(f"DeepSeek config.json rejected: {e}") from None
+            raise ShapeError(f"{mt or 'DeepSeek'} config.json rejected: {e}") from None
     if "num_key_value_heads" in d or mt in GQA_TYPES:
         return shape_from_config(gqa_config_from_hf(d, name=name), name=name)
     raise ShapeError(f"config.json of model_type={mt!r} is neither DeepSeek-V3/V2 (kv_lora_rank) nor a "
@@ -329,7 +325,7 @@ def load_shape(model: str | os.PathLike | AnyConfig | ModelShape) -> ModelShape:
     """
     if isinstance(model, ModelShape):
         return model
-    if isinstance(model, (ModelConfig, GQAMoEConfig)):
+    if isinstance(model, ModelConfig):
         return shape_from_config(model)
     s = str(model)
     if s in PRESETS:
@@ -358,7 +354,7 @@ def with_mtp_depth(shape: ModelShape, depth: int | None) -> ModelShape:
     """
     if depth is None or depth == shape.mtp_depth:
         return shape
-    if not isinstance(shape.config, ModelConfig):
+    if not isinstance(shape.config, DeepSeekV3Config):
         raise ShapeError(f"{shape.name} has no MTP modules; --mtp-depth applies to DeepSeek-V3-style models")
     import dataclasses
 

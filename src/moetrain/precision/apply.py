@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from moetrain.model.attention import MLA
-from moetrain.model.layers import Linear, SwiGLU
+from moetrain.model.layers import Attention, Linear, SwiGLU
 from moetrain.model.moe import GroupedExperts
 from moetrain.precision.linear import Fp8Linear
 from moetrain.precision.recipe import Fp8Recipe, get_recipe
 
-#: The projections of MLA that run in FP8 (the attention core between them stays in high precision).
-MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 #: SwiGLU (dense FFN and shared experts) linears.
 SWIGLU_LINEARS = ("w1", "w2", "w3")
 
@@ -27,7 +24,8 @@ def _fp8_linear(module: nn.Module, recipe: Fp8Recipe) -> None:
 def apply_fp8(model: nn.Module, recipe: str | Fp8Recipe | None) -> list[str]:
     """Run ``model``'s FP8-eligible GEMMs with ``recipe`` ("none", "blockwise", "mxfp8" or an :class:`Fp8Recipe`).
 
-    In FP8: the dense and shared-expert SwiGLU linears, MLA's projections (``MLA_PROJECTIONS``), MTP's ``eh_proj``
+    In FP8: the dense and shared-expert SwiGLU linears, the attention projections (each family's
+    ``Attention.projections``), MTP's ``eh_proj``
     and the routed experts' grouped GEMMs, forward and both backward GEMMs. Kept in high precision, as DeepSeek-V3
     keeps them (report sec. 3.3.1): the embedding, ``lm_head``, the router, norms and the attention core.
 
@@ -49,8 +47,8 @@ def apply_fp8(model: nn.Module, recipe: str | Fp8Recipe | None) -> list[str]:
         children: tuple[str, ...] = ()
         if isinstance(mod, SwiGLU):
             children = SWIGLU_LINEARS
-        elif isinstance(mod, MLA):
-            children = MLA_PROJECTIONS
+        elif isinstance(mod, Attention):
+            children = mod.projections
         elif isinstance(mod, MTPModule):
             children = ("eh_proj",)
         elif isinstance(mod, GroupedExperts):

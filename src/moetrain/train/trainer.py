@@ -21,7 +21,7 @@ from moetrain.config import JobConfig, save_job_config
 from moetrain.data import Loader, iter_eval_batches, train_loader
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import load_hf_checkpoint
-from moetrain.model.config import TRAINING_FIELDS
+from moetrain.model.config import DEFAULT_FAMILY, TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.hang import hang_monitor
@@ -57,9 +57,10 @@ def autocast_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
 def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Raise CheckpointError if ``ckpt`` was written for a different model architecture."""
     state = read_trainer_state(ckpt)
-    saved = state.get("model_config", {})
-    arch_fields = [f for f in job.model.to_dict() if f not in TRAINING_FIELDS]
-    diff = {f: (saved.get(f), getattr(job.model, f)) for f in arch_fields if saved.get(f) != getattr(job.model, f)}
+    # a run saved before there were families holds a DeepSeek-V3 model without the key
+    saved = {"family": DEFAULT_FAMILY.value, **state.get("model_config", {})}
+    now = job.model.to_dict()
+    diff = {f: (saved.get(f), v) for f, v in now.items() if f not in TRAINING_FIELDS and saved.get(f) != v}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in list(diff.items())[:6])
         raise CheckpointError(f"checkpoint {ckpt} is from a different model ({shown}); use the same model config or "

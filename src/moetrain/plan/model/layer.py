@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from moetrain.accounting import GQAMoEConfig
+from moetrain.model.config import Qwen3MoeConfig
 from moetrain.plan.constants import ELEMENTWISE_BWD_TO_FWD, FP8_BYTES
 from moetrain.plan.model.context import TP_COLLECTIVE_LATENCY_S, CostContext
 from moetrain.plan.model.cost import ItemCost
@@ -55,7 +55,7 @@ def _attention_item(c: CostContext, cost: ItemCost) -> None:
     else:
         kw = s.n_kv_heads * s.qk_head_dim
         fwd = 4 * h + 4 * (s.q_width + kw) + 4 * s.o_width + 6 * h
-        if isinstance(s.config, GQAMoEConfig) and s.config.qk_norm:
+        if isinstance(s.config, Qwen3MoeConfig) and s.config.qk_norm:
             # Qwen3's per-head RMSNorm of q and k: one more read and write of both before RoPE
             fwd += 4 * (s.q_width + kw)
     cost.mem_s += n * fwd * (1 + ELEMENTWISE_BWD_TO_FWD) / c.hbm

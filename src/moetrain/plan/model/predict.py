@@ -107,7 +107,7 @@ def predict(model: Any, gpu: GPUSpec | str, n_gpus: int, plan: Plan, *, counts: 
     """Predict step time, throughput and memory of ``plan`` for ``model`` on ``n_gpus`` GPUs of type ``gpu``.
 
     Args:
-        model: a preset name, HF config.json path, ModelConfig / GQAMoEConfig, or ModelShape.
+        model: a preset name, HF config.json path, a model config (any family), or ModelShape.
         gpu: a GPUSpec or catalogue name.
         n_gpus: GPU count.
         plan: the plan (validated here; DP is derived when None). Real routing without an ``imbalance`` factor

@@ -1,5 +1,5 @@
 """The DeepSeek-V3/V2 family's Hugging Face layout (also Kimi-K2, a DeepSeek-V3 architecture): ``config.json`` <->
-:class:`ModelConfig`, and the tensor names of a :class:`~moetrain.model.Transformer` in the released checkpoints.
+:class:`DeepSeekV3Config`, and the tensor names of a :class:`~moetrain.model.Transformer` in the released checkpoints.
 
 Released layout (docs/reference.md section 7; one tensor per expert)::
 
@@ -36,9 +36,12 @@ from typing import Any
 
 from torch import nn
 
-from moetrain.interop.adapter import StackedEntry, StateDictAdapter, StateMap, TensorEntry, indexed
-from moetrain.interop.hf_config import HFConfigReader
-from moetrain.model.config import TRAINING_FIELDS, ConfigError, ModelConfig
+from moetrain.errors import ConfigError
+from moetrain.model.config_base import TRAINING_FIELDS, ModelConfig
+from moetrain.model.deepseek.config import DeepSeekV3Config
+from moetrain.model.hf_config import HFConfigReader
+from moetrain.model.state_dict import (SWIGLU_NAMES, StateDictAdapter, StateMap, TensorEntry, add_attention_entries,
+                                       add_expert_entries, indexed, training_fields)
 from moetrain.model.moe import MoE
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
@@ -61,8 +64,8 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from a Hugging Face DeepSeek-V3/V2 ``config.json`` dict.
+def config_from_hf(d: dict[str, Any]) -> DeepSeekV3Config:
+    """Build a :class:`DeepSeekV3Config` from a Hugging Face DeepSeek-V3/V2 ``config.json`` dict.
 
     Accepts both the released style (top-level ``rope_theta``, ``rope_scaling`` with key ``type``) and the
     ``transformers`` v5 style (``rope_parameters`` with ``rope_type``). Keys that do not affect the architecture
@@ -73,10 +76,10 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
     Raises:
         ConfigError: a missing :data:`ARCH_KEYS` key or a value of the wrong JSON type (naming the key and the type,
-            :class:`~moetrain.interop.hf_config.HFConfigReader`); unsupported ``model_type``, RoPE type,
+            :class:`~moetrain.model.hf_config.HFConfigReader`); unsupported ``model_type``, RoPE type,
             activation, MoE layer frequency, attention bias or V2 ``group_limited_greedy`` routing with several
-            groups (its group score is the max, not a top-2 sum); and every inconsistency :class:`ModelConfig`
-            itself rejects.
+            groups (its group score is the max, not a top-2 sum); and every inconsistency
+            :class:`DeepSeekV3Config` itself rejects.
     """
     r = HFConfigReader(d)
     model_type = r.get("model_type", str, None)
@@ -148,7 +151,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if rope_type == "default":
         out["rope_factor"] = 1.0
     elif rope_type == "yarn":
-        max_pos = r.get("max_position_embeddings", int, ModelConfig.max_seq_len)
+        max_pos = r.get("max_position_embeddings", int, DeepSeekV3Config.max_seq_len)
         orig = (rp.get("original_max_position_embeddings", int, None)
                 or r.get("original_max_position_embeddings", int, None) or max_pos)
         factor = rp.get("factor", float, None)
@@ -186,16 +189,16 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if bad:
         raise ConfigError(f"unexpected field(s) {bad} in the {EXTRA_KEY!r} block; allowed here: {sorted(allowed)}")
     out.update(extra)
-    return ModelConfig.from_dict(out)
+    return DeepSeekV3Config.from_dict(out)
 
 
-def is_v2_layout(cfg: ModelConfig) -> bool:
+def is_v2_layout(cfg: DeepSeekV3Config) -> bool:
     """A DeepSeek-V2-style model (softmax router, no expert-bias balancing): written as ``deepseek_v2``, whose HF
     modeling routes with a softmax and has no ``e_score_correction_bias`` -- ``DeepseekV3`` hard-codes the sigmoid."""
     return cfg.score_func == "softmax" and cfg.bias_update_rate == 0
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+def config_to_hf(cfg: DeepSeekV3Config) -> dict[str, Any]:
     """The HF ``config.json`` dict of ``cfg`` (DeepSeek-V3 keys, released style plus v5 ``rope_parameters``; a
     V2-style model, :func:`is_v2_layout`, as ``deepseek_v2``).
 
@@ -210,7 +213,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                           "architecture that routes like it (DeepSeek-V2 scores a group by its best expert); export "
                           "needs n_expert_groups=1 or sigmoid routing")
     rope_scaling = None
-    extra: dict[str, Any] = {name: getattr(cfg, name) for name in TRAINING_FIELDS}
+    extra: dict[str, Any] = training_fields(cfg)
     if cfg.rope_factor > 1.0:
         rope_scaling = {
             "type": "yarn", "rope_type": "yarn", "factor": cfg.rope_factor,
@@ -282,21 +285,12 @@ def is_fp8_weight(hf_name: str) -> bool:
     return hf_name.startswith("model.layers.") and hf_name.endswith(FP8_WEIGHT_SUFFIXES) and ".eh_proj." not in hf_name
 
 
-_SWIGLU = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-
-
-def _block_entries(block: nn.Module, hf: str, ours: str, cfg: ModelConfig, mtp: bool) -> StateMap:
+def _block_entries(block: nn.Module, hf: str, ours: str, cfg: DeepSeekV3Config, mtp: bool) -> StateMap:
     """The tensors of one transformer block (a main layer, or an MTP module's block)."""
     out = StateMap()
     ent = out.entries
-    for n in ("input_layernorm", "post_attention_layernorm"):
-        ent.append(TensorEntry(hf + f"{n}.weight", ours + f"{n}.weight", getattr(block, n).weight, mtp=mtp))
-    for pname, p in block.self_attn.named_parameters():
-        ent.append(TensorEntry(hf + "self_attn." + pname, ours + "self_attn." + pname, p, mtp=mtp))
-    mlp = block.mlp
+    mlp = add_attention_entries(out, block, hf, ours, mtp)
     if not isinstance(mlp, MoE):
-        for a, b in _SWIGLU:
-            ent.append(TensorEntry(hf + f"mlp.{b}.weight", ours + f"mlp.{a}.weight", getattr(mlp, a).weight, mtp=mtp))
         return out
     v2 = is_v2_layout(cfg)
     ent.append(TensorEntry(hf + "mlp.gate.weight", ours + "mlp.gate.weight", mlp.gate.weight, mtp=mtp))
@@ -305,23 +299,10 @@ def _block_entries(block: nn.Module, hf: str, ours: str, cfg: ModelConfig, mtp: 
     ent.append(TensorEntry(hf + "mlp.gate.e_score_correction_bias", ours + "mlp.gate.expert_bias",
                            mlp.gate.expert_bias, saved=not v2, keep_fp32=True, optional=v2, mtp=mtp))
     if mlp.shared_experts is not None:
-        for a, b in _SWIGLU:
+        for a, b in SWIGLU_NAMES:
             ent.append(TensorEntry(hf + f"mlp.shared_experts.{b}.weight", ours + f"mlp.shared_experts.{a}.weight",
                                    getattr(mlp.shared_experts, a).weight, mtp=mtp))
-    w13, w2 = mlp.experts.w13_E2FD, mlp.experts.w2_EDF
-    E, F = cfg.n_routed_experts, w13.shape[1] // 2
-    w13_name, w2_name = ours + "mlp.experts.w13_E2FD", ours + "mlp.experts.w2_EDF"
-    gate_up, down = [], []
-    for e in range(E):
-        x = hf + f"mlp.experts.{e}."
-        gate_up += [TensorEntry(x + "gate_proj.weight", w13_name, w13, e, 0, F, mtp=mtp),
-                    TensorEntry(x + "up_proj.weight", w13_name, w13, e, F, F, mtp=mtp)]
-        down.append(TensorEntry(x + "down_proj.weight", w2_name, w2, e, mtp=mtp))
-    ent += [t for e in range(E) for t in (gate_up[2 * e], gate_up[2 * e + 1], down[e])]
-    # transformers v5 holds gate_up_proj (E, 2F, D), exactly w13_E2FD, and down_proj (E, D, F), exactly w2_EDF
-    for hf_part, name, t, covered in (("gate_up_proj", w13_name, w13, gate_up), ("down_proj", w2_name, w2, down)):
-        whole = TensorEntry(hf + "mlp.experts." + hf_part, name, t, n_experts=E, mtp=mtp)
-        out.stacked.append(StackedEntry(whole.hf_name, whole, [c.hf_name for c in covered]))
+    add_expert_entries(out, mlp.experts, hf + "mlp.experts.", ours + "mlp.experts.", cfg.n_routed_experts, mtp)
     return out
 
 
@@ -329,7 +310,7 @@ def state_map(model: nn.Module) -> StateMap:
     """Every HF tensor of ``model`` in checkpoint order, plus the stacked-layout alternatives. ``model`` is a whole
     Transformer or a pipeline stage (``moetrain.model.stage.TransformerStage``: only what it holds, layers under
     their global indices, absent parts None; a last stage's embedding copy reads the main embedding)."""
-    cfg: ModelConfig = model.cfg
+    cfg: DeepSeekV3Config = model.cfg
     embed, head = model.embed_tokens, model.lm_head
     out = StateMap()
     if embed is not None:
@@ -369,11 +350,10 @@ class DeepSeekAdapter(StateDictAdapter):
     family = "DeepSeek-V3 / DeepSeek-V2 architectures"
 
     def handles(self, cfg: ModelConfig) -> bool:
-        """Every :class:`ModelConfig`: moetrain's model config describes this family alone (MLA attention,
-        DeepSeekMoE routing); a second family's config makes this test specific."""
-        return isinstance(cfg, ModelConfig)
+        """Every :class:`DeepSeekV3Config` (MLA attention, DeepSeekMoE routing)."""
+        return isinstance(cfg, DeepSeekV3Config)
 
-    def config_from_hf(self, d: dict[str, Any]) -> ModelConfig:
+    def config_from_hf(self, d: dict[str, Any]) -> DeepSeekV3Config:
         """See :func:`config_from_hf`."""
         return config_from_hf(d)
 

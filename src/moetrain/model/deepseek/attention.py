@@ -14,22 +14,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.config import ModelConfig
-from moetrain.model.layers import Linear, RMSNorm, apply_rope
+from moetrain.model.config_base import ModelConfig
+from moetrain.model.layers import Attention, Linear, RMSNorm, apply_rope
 
 
 # The latent norms use a fixed epsilon in DeepSeek's reference code and in HF, whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
 
 
-class MLA(nn.Module):
+class MLA(Attention):
     """Multi-head Latent Attention with causal masking over the whole (packed) sequence.
 
     Args:
-        cfg: model config (n_heads, q_lora_rank, kv_lora_rank, head dims, rope_interleave, softmax_scale).
+        cfg: a :class:`~moetrain.model.deepseek.config.DeepSeekV3Config` (n_heads, q_lora_rank, kv_lora_rank, head
+            dims, rope_interleave, softmax_scale); typed by the common base, which that module imports this one.
 
     forward(x_BLD, cos_LR, sin_LR) -> (B, L, D). Weight names match the released checkpoint (``q_a_proj`` ...).
     """
+
+    projections = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
