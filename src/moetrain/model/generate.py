@@ -156,7 +156,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int, tempera
         for _ in range(max_new_tokens):
             tok = next_token(logits, temperature, top_p, gen)
             out.append(int(tok))
-            if eos_id is not None and out[-1] == eos_id or len(out) == max_new_tokens:
+            if (eos_id is not None and out[-1] == eos_id) or len(out) == max_new_tokens:
                 break
             logits = forward_cached(model, tok[:, None], cache)[:, -1]
         return out
