@@ -245,10 +245,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(name: str) -> str:
+    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu."""
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from moetrain.train.evaluate import evaluate_run, write_json
 
-    report = evaluate_run(args.run_dir, args.data, step=args.step, device=args.device,
+    report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
                           micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
                           ep=args.ep, pp=args.pp)
     print(report.table())
@@ -261,7 +269,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from moetrain.train.sample import sample_run
 
     text = sample_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                      args.step, args.device)
+                      args.step, _device(args.device))
     print(args.prompt + text)
     return 0
 
@@ -273,7 +281,7 @@ def add_eval_sample_parsers(sub: Any) -> None:
     ev.add_argument("--data", action="append", required=True, metavar="PATH", help="a held-out source: file or glob "
                     "(.txt, .jsonl, .parquet), tokenised with the run's tokenizer; repeatable, one row each")
     ev.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
-    ev.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
     ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")
     ev.add_argument("--max-batches", type=int, metavar="N", help="score at most N micro-batches per source")
     ev.add_argument("--nproc", type=int, metavar="N", help="run on N local worker processes at --ep/--pp through the "
@@ -292,7 +300,7 @@ def add_eval_sample_parsers(sub: Any) -> None:
     sa.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: all)")
     sa.add_argument("--seed", type=int, default=0)
     sa.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
-    sa.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    sa.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
     sa.set_defaults(func=cmd_sample)
 
 

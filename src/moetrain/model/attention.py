@@ -31,6 +31,7 @@ class MLA(nn.Module):
         cfg: model config (n_heads, q_lora_rank, kv_lora_rank, head dims, rope_interleave, softmax_scale).
 
     forward(x_BLD, cos_LR, sin_LR) -> (B, L, D). Weight names match the released checkpoint (``q_a_proj`` ...).
+    new_cache / forward_cached: decoding over a cache of the compressed latents (inference; :meth:`forward_cached`).
     """
 
     def __init__(self, cfg: ModelConfig):

@@ -28,7 +28,7 @@ import torch
 from moetrain.config import JobConfig
 from moetrain.data import Tokenizer, count_windows, iter_documents, resolve_paths
 from moetrain.data.corpus import DataError
-from moetrain.layout import Schedule
+from moetrain.layout import Precision, Schedule
 from moetrain.model.transformer import IGNORE_INDEX, Transformer
 from moetrain.train.load import RunCheckpoint, load_run_model, open_run
 
@@ -186,7 +186,8 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
 def _layout_job(job: JobConfig, nproc: int, ep: int | None, pp: int | None, device: str, mbs: int) -> JobConfig:
     """The run's job at the layout of an evaluation: ``nproc`` local processes, ``ep`` / ``pp`` (default 1); the
     pipeline split is recomputed for the new ``pp``, which runs the plain 1F1B schedule over at least ``pp``
-    micro-batches (an evaluation is forward-only: the schedule does not change its numbers).
+    micro-batches (an evaluation is forward-only: the schedule does not change its numbers). It computes in fp32 like
+    the one-process path: FP8 GEMMs and FP8 dispatch of a run trained with them are not used.
 
     Raises:
         ConfigError: sizes that do not fit the processes or the model, a pipeline that does not fit."""
@@ -194,7 +195,8 @@ def _layout_job(job: JobConfig, nproc: int, ep: int | None, pp: int | None, devi
     from moetrain.parallel.pipeline import check_pipeline
 
     d = job.to_dict()
-    d["parallel"].update(ep=ep or 1, pp=pp or 1, dp=None, vpp=1, pp_layout=None, ep_overlap=False)
+    d["parallel"].update(ep=ep or 1, pp=pp or 1, dp=None, vpp=1, pp_layout=None, ep_overlap=False,
+                         precision=Precision.FP32, dispatch_precision=Precision.BF16)
     d["train"].update(nproc=nproc, device=device, micro_batch_size=mbs, resume=False, init_from=None)
     if (pp or 1) > 1:
         d["parallel"]["schedule"] = Schedule.ONE_F_ONE_B
