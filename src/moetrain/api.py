@@ -21,7 +21,9 @@ from moetrain.interop.hf import load_hf_config
 from moetrain.model.config import PRESETS, ModelConfig, get_preset
 from moetrain.model.transformer import Transformer
 from moetrain.model.transformer import build_model as _build
+from moetrain.train.evaluate import EvalReport, evaluate_run
 from moetrain.train.load import load_model_state, load_run_model, open_run
+from moetrain.train.sample import sample_run
 
 
 def model_config(source: str | os.PathLike | ModelConfig) -> ModelConfig:
@@ -135,7 +137,7 @@ def pretrain(job: JobConfig) -> TrainResult:
                        [(int(s), float(v)) for s, v in summary.get("val", [])], summary.get("stopped"), summary)
 
 
-def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -> Any:
+def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -> EvalReport:
     """Loss and perplexity of a run's checkpoint per source of ``data`` (files or globs) and over all: an
     :class:`~moetrain.train.evaluate.EvalReport` (``.sources``, ``.total``, ``.table()``, ``.to_dict()``). Keywords
     as :func:`moetrain.train.evaluate.evaluate_run` (``step``, ``device``, ``max_batches``, ``nproc``/``ep``/``pp``).
@@ -143,8 +145,6 @@ def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -
     Raises:
         As :func:`moetrain.train.evaluate.evaluate_run`.
     """
-    from moetrain.train.evaluate import evaluate_run
-
     return evaluate_run(run_dir, [data] if isinstance(data, str) else list(data), **kwargs)
 
 
@@ -155,8 +155,6 @@ def sample(run_dir: str | os.PathLike, prompt: str, **kwargs: Any) -> str:
     Raises:
         As :func:`moetrain.train.sample.sample_run`.
     """
-    from moetrain.train.sample import sample_run
-
     return sample_run(run_dir, prompt, **kwargs)
 
 

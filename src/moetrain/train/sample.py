@@ -38,4 +38,6 @@ def sample_run(run_dir: str | os.PathLike, prompt: str, max_new_tokens: int = 64
     new = generate(model, ids, max_new_tokens, temperature, top_p, seed, tok.eos_id if stop_at_eos else None)
     if stop_at_eos and new and new[-1] == tok.eos_id:
         new = new[:-1]
-    return tok.decode(new)
+    # decoded after the prompt, not alone: a byte-level token may complete a character the prompt began
+    whole, head = tok.decode(ids + new), tok.decode(ids)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new)
