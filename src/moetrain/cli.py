@@ -285,7 +285,8 @@ def add_eval_sample_parsers(sub: Any) -> None:
     ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")
     ev.add_argument("--max-batches", type=int, metavar="N", help="score at most N micro-batches per source")
     ev.add_argument("--nproc", type=int, metavar="N", help="run on N local worker processes at --ep/--pp through the "
-                    "trainer's model parts (default: one process, the checkpoint read whole)")
+                    "trainer's model parts (default: ep x pp with --ep/--pp, else one process, the checkpoint read "
+                    "whole)")
     ev.add_argument("--ep", type=int, metavar="N", help="expert-parallel size with --nproc (default 1)")
     ev.add_argument("--pp", type=int, metavar="N", help="pipeline stages with --nproc (default 1)")
     ev.add_argument("--json", nargs="?", const="-", metavar="FILE", help="also write the report as JSON to FILE "
@@ -295,7 +296,7 @@ def add_eval_sample_parsers(sub: Any) -> None:
     sa = sub.add_parser("sample", help="continue a prompt with a run's checkpoint (greedy, or temperature/top-p)")
     sa.add_argument("run_dir", help="the run directory (moetrain train --out)")
     sa.add_argument("--prompt", required=True, help="the text to continue")
-    sa.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    sa.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N tokens (default 64)")
     sa.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     sa.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: all)")
     sa.add_argument("--seed", type=int, default=0)

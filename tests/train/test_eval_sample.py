@@ -109,7 +109,7 @@ def test_sample_is_deterministic_per_seed(run, capsys):
     (["eval", "{tmp}", "--data", "x.jsonl"], "no complete checkpoint"),
     (["eval", "{run}", "--data", "{tmp}/missing.jsonl"], "does not exist"),
     (["eval", "{run}", "--data", "{tmp}/short.txt"], "fewer than one"),
-    (["eval", "{run}", "--data", "{tmp}/ok.txt", "--nproc", "2", "--ep", "3"], "parallel.ep=3"),
+    (["eval", "{run}", "--data", "{tmp}/ok.txt", "--ep", "3"], "parallel.ep=3"),  # --nproc: ep x pp
     (["sample", "{run}", "--prompt", "def ", "--top-p", "0"], "--top-p"),
     (["sample", "{run}", "--prompt", "def ", "--max-new-tokens", "5000"], "max_seq_len"),
 ], ids=["no_checkpoint", "missing_data", "short_data", "bad_ep", "top_p", "too_long"])

@@ -159,7 +159,8 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
         micro_batch_size: sequences per forward (default: the run's ``train.micro_batch_size``).
         max_batches: score at most this many micro-batches per source (default: every full window).
         nproc, ep, pp: run on ``nproc`` local workers with that expert- and pipeline-parallel layout (the trainer's
-            model parts and evaluation path); None: one process.
+            model parts and evaluation path); ``nproc`` defaults to ep x pp when either is given; all None: one
+            process.
 
     Raises:
         CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
@@ -169,6 +170,8 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
     seq_len = run.job.data.seq_len
     mbs = micro_batch_size or run.job.train.micro_batch_size
     tokens = _sources(run, data)
+    if nproc is None and (ep or pp):
+        nproc = (ep or 1) * (pp or 1)
     if nproc is None:
         model = load_run_model(run, device)
         sums = [model_loss_sums(model, rank_batches(t, seq_len, mbs, max_batches=max_batches)) for t in tokens]
