@@ -1,4 +1,4 @@
-"""``moetrain`` command line: count | train | prepare | export | plan | bench | plot."""
+"""``moetrain`` command line: count | train | prepare | export | eval | sample | plan | bench | plot."""
 
 from __future__ import annotations
 
@@ -283,6 +283,66 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(name: str) -> str:
+    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu."""
+    if name != "auto":
+        return name
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from moetrain.train.evaluate import evaluate_run, write_json
+
+    report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
+                          micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
+                          ep=args.ep, pp=args.pp)
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from moetrain.train.sample import sample_run
+
+    text = sample_run(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                      args.step, _device(args.device))
+    print(args.prompt + text)
+    return 0
+
+
+def add_eval_sample_parsers(sub: Any) -> None:
+    """The ``eval`` and ``sample`` subcommands."""
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's checkpoint on held-out text, per source")
+    ev.add_argument("run_dir", help="the run directory (moetrain train --out)")
+    ev.add_argument("--data", action="append", required=True, metavar="PATH", help="a held-out source: file or glob "
+                    "(.txt, .jsonl, .parquet), tokenised with the run's tokenizer; repeatable, one row each")
+    ev.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
+    ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
+    ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")
+    ev.add_argument("--max-batches", type=int, metavar="N", help="score at most N micro-batches per source")
+    ev.add_argument("--nproc", type=int, metavar="N", help="run on N local worker processes at --ep/--pp through the "
+                    "trainer's model parts (default: ep x pp with --ep/--pp, else one process, the checkpoint read "
+                    "whole)")
+    ev.add_argument("--ep", type=int, metavar="N", help="expert-parallel size with --nproc (default 1)")
+    ev.add_argument("--pp", type=int, metavar="N", help="pipeline stages with --nproc (default 1)")
+    ev.add_argument("--json", nargs="?", const="-", metavar="FILE", help="also write the report as JSON to FILE "
+                    "(standard output without FILE)")
+    ev.set_defaults(func=cmd_eval)
+
+    sa = sub.add_parser("sample", help="continue a prompt with a run's checkpoint (greedy, or temperature/top-p)")
+    sa.add_argument("run_dir", help="the run directory (moetrain train --out)")
+    sa.add_argument("--prompt", required=True, help="the text to continue")
+    sa.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="at most N tokens (default 64)")
+    sa.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    sa.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1: all)")
+    sa.add_argument("--seed", type=int, default=0)
+    sa.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
+    sa.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
+    sa.set_defaults(func=cmd_sample)
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from moetrain.train.plot import plot_run
 
@@ -326,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "weight_scale_inv per 128x128 block, as DeepSeek-V3 ships (norms, router, embedding, head stay)")
     e.set_defaults(func=cmd_export)
 
+    add_eval_sample_parsers(sub)
+
     p = sub.add_parser("plot", help="loss, learning rate and grad norm; expert load and share per MoE layer over steps (PNG)")
     p.add_argument("run_dir", nargs="?", default="runs/default")
     p.add_argument("--out", help="output directory (default: the run directory)")
@@ -362,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_broken_pipe()
         return 0
     except RuntimeError as e:
-        if args.command != "train":
+        if args.command not in ("train", "eval"):
             raise
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -289,3 +289,36 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
         stop.uninstall()
         clear_stop_file(job.train.out_dir)
     return results[0]
+
+
+def _local_worker(fn: Any, nproc: int, *args: Any) -> Any:
+    if torch.get_num_threads() > 1 and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    return fn(*args)
+
+
+def launch_local(job: JobConfig, fn: Any, *args: Any) -> Any:
+    """Run ``fn(*args)`` (a module-level function) on ``job.train.nproc`` local worker processes, started as
+    :func:`train_main` starts the trainer's (torch's elastic launcher, ``RANK``/``WORLD_SIZE`` set), and return rank
+    0's result. Used by ``moetrain eval`` at a chosen layout.
+
+    Raises:
+        ConfigError: more CUDA workers than GPUs. RuntimeError: a worker failed (its message, in one line).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = job.train.nproc or default_nproc(job)
+    check_gpus(job, nproc)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moetrain-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn")
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        return elastic_launch(config, _local_worker)(fn, nproc, *args)[0]
+    except ChildFailedError as e:
+        rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+        msg = first.message.get("message", "") if isinstance(first.message, dict) else (first.message or "")
+        last = msg.strip().splitlines()[-1] if msg.strip() else f"exit code {first.exitcode}"
+        raise RuntimeError(f"worker rank {rank} failed: {last}") from None

@@ -10,6 +10,8 @@ R qk_rope_head_dim, Dv v_head_dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,6 +32,7 @@ class MLA(Attention):
             dims, rope_interleave, softmax_scale); typed by the common base, which that module imports this one.
 
     forward(x_BLD, cos_LR, sin_LR) -> (B, L, D). Weight names match the released checkpoint (``q_a_proj`` ...).
+    new_cache / forward_cached: decoding over a cache of the compressed latents (inference; :meth:`forward_cached`).
     """
 
     projections = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
@@ -83,6 +86,71 @@ class MLA(Attention):
             is_causal=True, scale=self.softmax_scale,
         )[..., : self.v_dim]  # (B, H, L, Dv)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, H * self.v_dim))
+
+    # -- decoding with a cache of the compressed latents (inference only; the training forward above is untouched) --
+    def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> MLACache:
+        """An empty :class:`MLACache` for ``batch`` sequences of up to ``max_len`` tokens (zeros)."""
+        return MLACache(torch.zeros(batch, max_len, self.kv_lora_rank, device=device, dtype=dtype),
+                        torch.zeros(batch, max_len, self.rope_dim, device=device, dtype=dtype))
+
+    def forward_cached(self, x_BLD: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, cache: MLACache,
+                       start: int) -> torch.Tensor:
+        """The attention of L new tokens at positions ``start .. start+L-1`` over the ``start`` cached ones and
+        themselves (causal), writing their latents into ``cache``. Equals :meth:`forward` on the whole sequence at
+        those positions, up to rounding.
+
+        The "absorb" form of DeepSeek's inference code (deepseek-ai/DeepSeek-V3 ``inference/model.py``, MLA): the
+        cache holds per token only the normed latent c_kv (Ckv) and the rotated shared key k_rope (R), not per-head
+        keys and values; kv_b_proj's key half is folded into the query, q_nope W_uk -> (Ckv) per head, and its value
+        half applied after the weighted sum of latents, so scores are q_lat . c_kv + q_rope . k_rope.
+
+        Args:
+            x_BLD: the normed hidden states of the new tokens.
+            cos_LR, sin_LR: the RoPE rows of positions ``start .. start+L-1`` (``rope_cos_sin`` sliced).
+            cache: this layer's cache, of room for at least ``start + L`` tokens.
+            start: how many tokens the cache already holds (their positions are 0 .. start-1).
+
+        Returns:
+            (B, L, D).
+        """
+        B, L, _ = x_BLD.shape
+        H, end = self.n_heads, start + L
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BLD)))
+        else:
+            q = self.q_proj(x_BLD)
+        q_nope, q_rope = q.view(B, L, H, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope_BLHR = apply_rope(q_rope, cos_LR, sin_LR, self.interleave)
+        kv_lat, k_rope = self.kv_a_proj_with_mqa(x_BLD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        cache.kv_BTC[:B, start:end] = self.kv_a_layernorm(kv_lat)
+        cache.k_rope_BTR[:B, start:end] = apply_rope(k_rope.unsqueeze(2), cos_LR, sin_LR, self.interleave).squeeze(2)
+        kv_BTC, k_rope_BTR = cache.kv_BTC[:B, :end], cache.k_rope_BTR[:B, :end]
+
+        w_HKC = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        q_lat_BLHC = torch.einsum("blhd,hdc->blhc", q_nope, w_HKC[:, : self.nope_dim])
+        scores_BLHT = (torch.einsum("blhc,btc->blht", q_lat_BLHC, kv_BTC)
+                       + torch.einsum("blhr,btr->blht", q_rope_BLHR, k_rope_BTR)) * self.softmax_scale
+        pos_L = torch.arange(start, end, device=x_BLD.device)
+        future_LT = torch.arange(end, device=x_BLD.device)[None, :] > pos_L[:, None]
+        scores_BLHT = scores_BLHT.masked_fill(future_LT[None, :, None, :], float("-inf"))
+        probs_BLHT = scores_BLHT.float().softmax(dim=-1).to(kv_BTC.dtype)
+        o_BLHC = torch.einsum("blht,btc->blhc", probs_BLHT, kv_BTC)
+        o_BLHV = torch.einsum("blhc,hvc->blhv", o_BLHC, w_HKC[:, self.nope_dim:])
+        return self.o_proj(o_BLHV.reshape(B, L, H * self.v_dim))
+
+
+@dataclass
+class MLACache:
+    """The decode cache of one MLA layer: per token, the compressed latent after its norm and the rotated shared
+    rope key -- (Ckv + R) numbers instead of H * (Dn + R + Dv) per-head keys and values (DeepSeek-V2, sec. 2.1.2).
+
+    Attributes:
+        kv_BTC: (B, T, Ckv) ``kv_a_layernorm(c_kv)`` of each cached position; T is the room (max tokens).
+        k_rope_BTR: (B, T, R) the rotated decoupled key of each cached position.
+    """
+
+    kv_BTC: torch.Tensor
+    k_rope_BTR: torch.Tensor
 
 
 def _pad_to(x: torch.Tensor, size: int) -> torch.Tensor:

@@ -1,0 +1,252 @@
+"""``moetrain eval RUN_DIR --data PATH ...``: next-token loss and perplexity of a run's checkpoint on held-out text,
+per source and token-weighted over all.
+
+Each ``--data`` is one source (a file or glob of .txt / .jsonl / .parquet). Its documents are tokenised with the run's
+tokenizer, each followed by the end-of-document token as in training, concatenated and cut into the run's
+``data.seq_len`` windows (:func:`moetrain.data.iter_eval_batches`' windows: the tail shorter than a window is not
+scored); the loss is the main model's mean cross-entropy over every scored token, the quantity the trainer's
+validation reports (no MTP, no balance term), and perplexity is exp(loss).
+
+One process by default (the checkpoint read whole, :mod:`moetrain.train.load`); with ``nproc`` the same windows run on
+that many local workers at the EP / PP the user chooses, through the trainer's model parts and step runner (its
+validation path, ``runner.eval_sums``), each rank reading its own boxes of the checkpoint. Both compute in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moetrain.config import JobConfig
+from moetrain.data import Tokenizer, count_windows, iter_documents, resolve_paths
+from moetrain.data.corpus import DataError
+from moetrain.layout import Precision, Schedule
+from moetrain.model.transformer import IGNORE_INDEX, Transformer
+from moetrain.train.load import RunCheckpoint, load_run_model, open_run
+
+MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class SourceLoss:
+    """The loss of one source (or of all, token-weighted).
+
+    Attributes:
+        name: the ``--data`` argument, or "all".
+        tokens: scored tokens (labels counted).
+        loss: mean next-token cross-entropy in nats per token.
+    """
+
+    name: str
+    tokens: int
+    loss: float
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss)."""
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+@dataclass
+class EvalReport:
+    """What ``moetrain eval`` reports: the checkpoint, how it was run, and the loss per source and over all."""
+
+    run_dir: str
+    checkpoint: str
+    step: int
+    seq_len: int
+    layout: str
+    sources: list[SourceLoss] = field(default_factory=list)
+
+    @property
+    def total(self) -> SourceLoss:
+        """All sources together, weighted by their scored tokens."""
+        n = sum(s.tokens for s in self.sources)
+        return SourceLoss("all", n, sum(s.loss * s.tokens for s in self.sources) / max(n, 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields, each source and the total with its perplexity."""
+        rows = [{**dataclasses.asdict(s), "perplexity": s.perplexity} for s in [*self.sources, self.total]]
+        return {"run_dir": self.run_dir, "checkpoint": self.checkpoint, "step": self.step, "seq_len": self.seq_len,
+                "layout": self.layout, "sources": rows[:-1], "total": rows[-1]}
+
+    def table(self) -> str:
+        """The report as a text table, one row per source and the total."""
+        width = max(len(s.name) for s in [*self.sources, self.total])
+        lines = [f"{self.checkpoint} (step {self.step}), {self.seq_len}-token windows, {self.layout}",
+                 f"{'source':<{width}}  {'tokens':>10}  {'loss':>8}  {'perplexity':>11}"]
+        for s in [*self.sources, self.total]:
+            lines.append(f"{s.name:<{width}}  {s.tokens:>10,}  {s.loss:>8.4f}  {s.perplexity:>11.3f}")
+        return "\n".join(lines)
+
+
+def source_tokens(source: str, tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
+    """The token stream of one source: every document's ids followed by the end-of-document id, in file order.
+
+    Raises:
+        DataError: no file matches, or a file cannot be read (as the trainer's corpus reader says).
+    """
+    paths = resolve_paths([source])
+    ids: list[int] = []
+    for doc in iter_documents(paths, text_field):
+        ids.extend(tokenizer.encode(doc))
+        ids.append(tokenizer.eos_id)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def rank_batches(tokens: np.ndarray, seq_len: int, micro_batch_size: int, rank: int = 0, size: int = 1,
+                 max_batches: int | None = None) -> MicroBatches:
+    """Rank ``rank`` of ``size``'s micro-batches (tokens_BL, labels_BL), each of exactly ``micro_batch_size`` rows:
+    the source's windows dealt round-robin, every rank given the same number of batches, rows beyond the windows
+    filled with ignored labels (pipeline stages need static shapes, expert parallelism the same number of forwards
+    on every rank). Together the ranks score each window once, as one process does.
+
+    ``max_batches``: score at most this many batches of one process's windows (the first ones)."""
+    n = count_windows(len(tokens), seq_len)
+    if max_batches is not None:
+        n = min(n, max_batches * micro_batch_size)
+    mine = list(range(rank, n, size))
+    per_rank = -(-n // size)  # windows of the busiest rank
+    out = []
+    for lo in range(0, per_rank, micro_batch_size):
+        x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        y = torch.full((micro_batch_size, seq_len), IGNORE_INDEX, dtype=torch.long)
+        for row, w in enumerate(mine[lo:lo + micro_batch_size]):
+            window = torch.from_numpy(tokens[w * seq_len: w * seq_len + seq_len + 1].astype(np.int64))
+            x[row], y[row] = window[:-1], window[1:]
+        out.append((x, y))
+    return out
+
+
+@torch.no_grad()
+def model_loss_sums(model: Transformer, batches: MicroBatches) -> tuple[float, int]:
+    """(cross-entropy sum in nats, scored tokens) of a single-process ``model`` over ``batches``."""
+    device = model.embed_tokens.weight.device
+    ce, n = 0.0, 0
+    for x, y in batches:
+        out = model(x.to(device), y.to(device))
+        ce += float(out.lm_loss_sum)
+        n += int(out.n_loss_tokens)
+    return ce, n
+
+
+def _sources(run: RunCheckpoint, data: list[str]) -> list[np.ndarray]:
+    tok = run.tokenizer()
+    out = []
+    for src in data:
+        tokens = source_tokens(src, tok, run.job.data.text_field)
+        if count_windows(len(tokens), run.job.data.seq_len) < 1:
+            raise DataError(f"--data {src}: {len(tokens)} tokens, fewer than one {run.job.data.seq_len + 1}-token "
+                            f"window of the run's data.seq_len; give more text")
+        out.append(tokens)
+    return out
+
+
+def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None = None, device: str = "cpu",
+                 micro_batch_size: int | None = None, max_batches: int | None = None,
+                 nproc: int | None = None, ep: int | None = None, pp: int | None = None) -> EvalReport:
+    """Loss and perplexity of ``run_dir``'s newest checkpoint (or ``step``) on each source of ``data``.
+
+    Args:
+        micro_batch_size: sequences per forward (default: the run's ``train.micro_batch_size``).
+        max_batches: score at most this many micro-batches per source (default: every full window).
+        nproc, ep, pp: run on ``nproc`` local workers with that expert- and pipeline-parallel layout (the trainer's
+            model parts and evaluation path); ``nproc`` defaults to ep x pp when either is given; all None: one
+            process.
+
+    Raises:
+        CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
+        window. ConfigError: a layout that does not fit the model or the processes.
+    """
+    run = open_run(run_dir, step)
+    seq_len = run.job.data.seq_len
+    mbs = micro_batch_size or run.job.train.micro_batch_size
+    tokens = _sources(run, data)
+    if nproc is None and (ep or pp):
+        nproc = (ep or 1) * (pp or 1)
+    if nproc is None:
+        model = load_run_model(run, device)
+        sums = [model_loss_sums(model, rank_batches(t, seq_len, mbs, max_batches=max_batches)) for t in tokens]
+        layout = f"one process on {device}"
+    else:
+        from moetrain.train.launch import launch_local
+        job = _layout_job(run.job, nproc, ep, pp, device, mbs)
+        sums = launch_local(job, _eval_worker, job.to_dict(), str(run.path), tokens, mbs, max_batches)
+        layout = f"{nproc} processes, EP={job.parallel.ep} PP={job.parallel.pp} on {device}"
+    report = EvalReport(str(run_dir), str(run.path), run.step, seq_len, layout)
+    report.sources = [SourceLoss(name, n, ce / max(n, 1)) for name, (ce, n) in zip(data, sums)]
+    return report
+
+
+def _layout_job(job: JobConfig, nproc: int, ep: int | None, pp: int | None, device: str, mbs: int) -> JobConfig:
+    """The run's job at the layout of an evaluation: ``nproc`` local processes, ``ep`` / ``pp`` (default 1); the
+    pipeline split is recomputed for the new ``pp``, which runs the plain 1F1B schedule over at least ``pp``
+    micro-batches (an evaluation is forward-only: the schedule does not change its numbers). It computes in fp32 like
+    the one-process path: FP8 GEMMs and FP8 dispatch of a run trained with them are not used.
+
+    Raises:
+        ConfigError: sizes that do not fit the processes or the model, a pipeline that does not fit."""
+    from moetrain.config import job_config_from_dict
+    from moetrain.parallel.pipeline import check_pipeline
+
+    d = job.to_dict()
+    d["parallel"].update(ep=ep or 1, pp=pp or 1, dp=None, vpp=1, pp_layout=None, ep_overlap=False,
+                         precision=Precision.FP32, dispatch_precision=Precision.BF16)
+    d["train"].update(nproc=nproc, device=device, micro_batch_size=mbs, resume=False, init_from=None)
+    if (pp or 1) > 1:
+        d["parallel"]["schedule"] = Schedule.ONE_F_ONE_B
+        d["train"]["grad_accum"] = max(d["train"]["grad_accum"], pp)
+    out = job_config_from_dict(d)
+    out.parallel.resolve(nproc, out.model.n_routed_experts)
+    check_pipeline(out.model, out.parallel, out.train.grad_accum)
+    return out
+
+
+def _eval_worker(job_dict: dict[str, Any], ckpt: str, sources: list[np.ndarray], mbs: int,
+                 max_batches: int | None) -> list[tuple[float, int]]:
+    """One worker of a parallel evaluation: the trainer's model parts at the job's layout, the checkpoint's boxes of
+    this rank, then each source's batches of this data rank through the runner's ``eval_sums``, summed over all
+    ranks (only the last stage counts)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from moetrain.config import job_config_from_dict
+    from moetrain.parallel.mesh import init_parallel, shutdown
+    from moetrain.train.trainer import build_model_parts, resolve_device
+
+    job = job_config_from_dict(job_dict)
+    ctx = init_parallel(job.parallel, job.model.n_routed_experts, resolve_device(job))
+    try:
+        model = build_model_parts(job, ctx, amp=None)
+        for part in model.parts:  # each part's own keys: the embedding copy of a last stage is read like the first's
+            dcp.load({f"model.{k}": v for k, v in part.state_dict().items()}, checkpoint_id=ckpt)
+        model.train(False)
+        out = []
+        for tokens in sources:
+            batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
+                       rank_batches(tokens, job.data.seq_len, mbs, ctx.data_rank, ctx.stage_size, max_batches)]
+            with torch.no_grad():
+                total = model.runner.eval_sums(batches)
+            if ctx.distributed:
+                dist.all_reduce(total)
+            out.append((float(total[0]), int(total[1])))
+        return out
+    finally:
+        shutdown()
+
+
+def write_json(report: EvalReport, path: str) -> None:
+    """The report as JSON to ``path`` ("-": standard output)."""
+    text = json.dumps(report.to_dict(), indent=2)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
