@@ -83,7 +83,7 @@ def counting_memory_bytes(cfg: ModelConfig, seq_len: int) -> float:
     """A generous estimate of the peak memory of counting (bytes): fp32 weights, gradients and slack of the cut
     model (4 x 4 bytes per parameter), plus the activations of the larger counted batch -- the logits (about four
     copies: logits, log-probabilities, their gradients) and ~200 model-width and the experts' vectors per token.
-    Attention runs the flash kernel (linear in L, :class:`moetrain.model.attention.MLA`), so no L x L term."""
+    Attention runs the flash kernel (linear in L, :class:`moetrain.model.deepseek.attention.MLA`), so no L x L term."""
     from moetrain.accounting import count_params
 
     B, L = COUNT_BATCHES[1], seq_len
