@@ -135,3 +135,24 @@ def test_next_token_draws_only_from_the_nucleus_at_the_right_rates():
     assert int(next_token(probs.log(), 0.0, 0.7)) == 1  # temperature 0: argmax
     with pytest.raises(ValueError, match="temperature"):
         next_token(probs.log(), -1.0, 1.0)
+
+
+@pytest.mark.parametrize("chunks", [(1,) * 16, (7, 1, 3, 5)], ids=["token_by_token", "prefill_then_chunks"])
+def test_qwen3_gqa_cached_logits_equal_the_full_forward(chunks):
+    """Qwen3-MoE's grouped-query attention decodes with its own key/value cache behind the same two methods."""
+    from moetrain.model.qwen3.attention import GQACache
+
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(get_preset("qwen3-tiny"), vocab_size=256), seed=3).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    ref = _full_logits(model, tokens)
+    cache = new_kv_cache(model, 2, 20)
+    assert isinstance(cache.layers[0], GQACache)
+    assert cache.layers[0].k_BTGd.shape == (2, 20, model.cfg.n_kv_heads, model.cfg.head_dim)
+    got, at = [], 0
+    for n in chunks:
+        got.append(forward_cached(model, tokens[:, at:at + n], cache))
+        at += n
+    got = torch.cat(got, dim=1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert (ref[:, 1:] - ref[:, :-1]).abs().max() > 1e-2

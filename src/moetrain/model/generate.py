@@ -3,8 +3,9 @@ greedy and temperature / top-p sampling.
 
 Each layer's attention keeps its own cache through two methods, which is all this module asks of it
 (:class:`CachedAttention`): ``new_cache(batch, max_len, device, dtype)`` and ``forward_cached(x_BLD, cos_LR, sin_LR,
-cache, start)``. MLA caches its compressed latents (:class:`~moetrain.model.deepseek.attention.MLACache`); an attention with
-per-head keys and values (GQA) would cache those behind the same two methods. The training forward is not used here
+cache, start)``. MLA caches its compressed latents (:class:`~moetrain.model.deepseek.attention.MLACache`), Qwen3's
+grouped-query attention its normed rotated keys and values per key/value head
+(:class:`~moetrain.model.qwen3.attention.GQACache`). The training forward is not used here
 and not changed: the decode path is separate.
 
 Single-device code. Shape legend: B batch, L new tokens, T cached tokens, D model dim, V vocab.

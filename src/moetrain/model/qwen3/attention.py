@@ -6,6 +6,8 @@ Shape legend: B batch, L sequence, D model dim, H query heads, G key/value heads
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from moetrain.model.config_base import ModelConfig
@@ -46,3 +48,53 @@ class GQA(Attention):
                                                   v_BLGd.transpose(1, 2), is_causal=True, scale=d ** -0.5,
                                                   enable_gqa=G != H)
         return self.o_proj(out_BHLd.transpose(1, 2).reshape(B, L, H * d))
+
+    # -- decoding with a key/value cache (inference only; the training forward above is untouched) --------------
+    def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> GQACache:
+        """An empty :class:`GQACache` for ``batch`` sequences of up to ``max_len`` tokens (zeros)."""
+        G, d = self.n_kv_heads, self.head_dim
+        return GQACache(torch.zeros(batch, max_len, G, d, device=device, dtype=dtype),
+                        torch.zeros(batch, max_len, G, d, device=device, dtype=dtype))
+
+    def forward_cached(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: GQACache,
+                       start: int) -> torch.Tensor:
+        """The attention of L new tokens at positions ``start .. start+L-1`` over the ``start`` cached ones and
+        themselves (causal), writing their normed, rotated keys and their values into ``cache``. Equals
+        :meth:`forward` on the whole sequence at those positions, up to rounding.
+
+        Args:
+            x_BLD: the normed hidden states of the new tokens.
+            cos, sin: the rotate-half RoPE rows of positions ``start .. start+L-1``.
+            cache: this layer's cache, of room for at least ``start + L`` tokens.
+            start: how many tokens the cache already holds.
+
+        Returns:
+            (B, L, D).
+        """
+        B, L, _ = x_BLD.shape
+        H, G, d = self.n_heads, self.n_kv_heads, self.head_dim
+        end = start + L
+        q_BLHd = apply_rope(self.q_norm(self.q_proj(x_BLD).view(B, L, H, d)), cos, sin, interleave=False)
+        cache.k_BTGd[:B, start:end] = apply_rope(self.k_norm(self.k_proj(x_BLD).view(B, L, G, d)), cos, sin,
+                                                 interleave=False)
+        cache.v_BTGd[:B, start:end] = self.v_proj(x_BLD).view(B, L, G, d)
+        pos_L = torch.arange(start, end, device=x_BLD.device)
+        visible_LT = torch.arange(end, device=x_BLD.device)[None, :] <= pos_L[:, None]
+        out_BHLd = F.scaled_dot_product_attention(q_BLHd.transpose(1, 2), cache.k_BTGd[:B, :end].transpose(1, 2),
+                                                  cache.v_BTGd[:B, :end].transpose(1, 2), attn_mask=visible_LT,
+                                                  scale=d ** -0.5, enable_gqa=G != H)
+        return self.o_proj(out_BHLd.transpose(1, 2).reshape(B, L, H * d))
+
+
+@dataclass
+class GQACache:
+    """The decode cache of one grouped-query attention layer: per token and key/value head, the normed rotated key
+    and the value (G heads, not H: the GQA saving).
+
+    Attributes:
+        k_BTGd: (B, T, G, d) keys after ``k_norm`` and RoPE; T is the room (max tokens).
+        v_BTGd: (B, T, G, d) values.
+    """
+
+    k_BTGd: torch.Tensor
+    v_BTGd: torch.Tensor
