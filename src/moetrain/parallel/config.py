@@ -65,6 +65,17 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
                     f"fsdp=true with {'pp > 1' if layout.pp > 1 else 'ep_overlap'}: the pipeline schedules and EP "
                     f"overlap run many forwards and backwards of a stage interleaved, so the trainer keeps the "
                     f"parameters gathered through the step; use fsdp false"))
+    if isinstance(layout, ParallelConfig) and layout.redundant_experts:
+        why = [(f"capacity_factor={layout.capacity_factor}", layout.capacity_factor is not None,
+                "dropping counts a capacity per expert, and copies would each get one"),
+               (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.schedule == Schedule.ZBV,
+                "the zero-bubble schedule computes the weight gradients of the stage's parameters only, and the "
+                "copies are not parameters"),
+               (f"ep={layout.ep}", layout.ep == 1, "with one EP rank there is no other rank to copy an expert to")]
+        for what, bad, reason in why:
+            if bad:
+                out.append(("redundant experts", f"redundant_experts={layout.redundant_experts} with {what}: "
+                            f"{reason}; set parallel.redundant_experts=0 or change it"))
     if layout.mtp_depth is not None:
         out.append(("an MTP depth in the layout", f"mtp_depth={layout.mtp_depth}; the trainer's is model.mtp_depth"))
     return out
@@ -135,6 +146,10 @@ class ParallelConfig(Layout):
         n_chunks: split each micro-batch's tokens into this many chunks so one chunk's all-to-all overlaps another's
             expert GEMMs (1 = off).
         timeout_s: collective timeout; a hang ends with an error naming the phase.
+        redundant_experts: R, extra expert slots per EP rank holding copies of the hottest experts of other ranks
+            (``moetrain.parallel.redundant``); 0 = off. Training is the unreplicated training up to fp32 sum order.
+        rebalance_every: N, steps between placements of the copies, each from the loads of the last N steps (no
+            copies before the first).
     """
 
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -149,6 +164,8 @@ class ParallelConfig(Layout):
     overlap: bool = True
     n_chunks: int = 1
     timeout_s: float = 300.0
+    redundant_experts: int = 0
+    rebalance_every: int = 100
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -182,6 +199,11 @@ class ParallelConfig(Layout):
                 raise ConfigError(f"parallel.{name}={getattr(self, name)!r} must be true or false")
         if self.fsdp is not None and not isinstance(self.fsdp, bool):
             raise ConfigError(f"parallel.fsdp={self.fsdp!r} must be true, false or unset")
+        for name in ("redundant_experts", "rebalance_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "redundant_experts" else 1):
+                raise ConfigError(f"parallel.{name}={v!r} must be an integer >= "
+                                  f"{0 if name == 'redundant_experts' else 1}")
         missing = layout_not_runnable(self)
         if missing:
             raise ConfigError("moetrain train cannot run this layout: "
