@@ -14,6 +14,8 @@ from moetrain.layout import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, CudaGraphs, D
 #: which keeps two copies of the parameters.
 PP_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.DUALPIPEV, Schedule.ZBV)
 V_SCHEDULES = tuple(s for s in Schedule if s.is_v)
+#: Schedules whose backward torch runs as separate input- and weight-gradient actions.
+SPLIT_BACKWARD = (Schedule.DUALPIPEV, Schedule.ZBV)
 #: Dispatchers the trainer has (``moetrain.parallel.dispatch.AllToAllDispatcher``; at EP = 1 either is a local
 #: permutation).
 DISPATCHERS = (Dispatcher.ALLTOALL, Dispatcher.FLEX)
@@ -68,9 +70,10 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
     if isinstance(layout, ParallelConfig) and layout.redundant_experts:
         why = [(f"capacity_factor={layout.capacity_factor}", layout.capacity_factor is not None,
                 "dropping counts a capacity per expert, and copies would each get one"),
-               (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.schedule == Schedule.ZBV,
-                "the zero-bubble schedule computes the weight gradients of the stage's parameters only, and the "
-                "copies are not parameters"),
+               (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.schedule in SPLIT_BACKWARD
+                and not layout.ep_overlap, "a schedule that splits the backward (torch's input and weight "
+                "actions) computes the weight gradients of the stage's parameters only, and the copies are not "
+                "parameters (use 1f1b or interleaved, or dualpipev with ep_overlap, whose paired backward is whole)"),
                (f"ep={layout.ep}", layout.ep == 1, "with one EP rank there is no other rank to copy an expert to")]
         for what, bad, reason in why:
             if bad:
