@@ -9,7 +9,7 @@ taken to training with the experts' home ranks fixed (the master weights and opt
     repeat while a replica slot is free:
         the heaviest rank; of the experts it carries, the one with the largest share there;
         a copy of it on the least-loaded rank with a free slot that does not hold it yet;
-        keep it if the heaviest rank's load went down, else stop
+        keep it if the heaviest rank's load went down by at least MIN_GAIN of the mean, else stop
 
 Water-filling (not an even split) matters: when all hot experts live on one rank, an even split of each over two
 holders leaves that rank with half of every hot expert -- the copies must take whole experts' loads off it.
@@ -21,6 +21,12 @@ the rows its grouped GEMMs compute.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+#: Smallest drop of the heaviest rank's load, as a share of the mean rank load, that a copy must bring: each copy
+#: costs its weights' and gradient's transfer every step and splits its tokens over more ranks (more dispatched
+#: rows), which a nearly balanced layer does not win back.
+MIN_GAIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,7 @@ def plan_replicas(load_E: list[int], ep: int, slots: int) -> ReplicaPlacement:
             trial = [list(x) for x in replicas]
             trial[target].append(e)
             t_shares, t_load = split_loads(load_E, ep, trial)
-            if max(t_load) < best:
+            if max(t_load) < best - MIN_GAIN * sum(load_E) / ep:
                 replicas, shares, rank_load, placed = trial, t_shares, t_load, True
             break
         if not placed:
