@@ -293,6 +293,19 @@ def padded_slots(counts: list[int], n_rows: int, max_pad: float = PADDED_BMM_MAX
     return C, expert_S * C + (torch.arange(n) - starts_E[expert_S])
 
 
+class ExpertReplicas(Protocol):
+    """Copies of other ranks' experts that this rank computes beside its own (redundant experts; implemented in
+    ``moetrain.parallel.redundant``). ``slots``: R, the copies per rank; ``route(topk_idx_TK)``: the slot every
+    assignment goes to, (T, K) int64 in [0, EP x (El + R)); ``slot_weights(w13_El2FD, w2_ElDF)``: the weights of all
+    El + R slots of this rank, this rank's own first (differentiable in both)."""
+
+    slots: int
+
+    def route(self, topk_idx_TK: torch.Tensor) -> torch.Tensor: ...
+
+    def slot_weights(self, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class GroupedExperts(nn.Module):
     """Routed experts with stacked SwiGLU weights, computed as grouped GEMMs over rows sorted by expert.
 
@@ -325,6 +338,9 @@ class GroupedExperts(nn.Module):
         self.w13_E2FD = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
         self.w2_EDF = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.use_grouped_mm = True
+        # Redundant experts (``moetrain.parallel.redundant``, set by ``parallelize``): this rank computes El + R
+        # slots, its own experts and R copies of others'; None: its own El.
+        self.replicas: ExpertReplicas | None = None
         # An FP8 recipe (moetrain.precision.Fp8Recipe) set by ``moetrain.precision.apply.apply_fp8``; None: high precision.
         self.fp8_recipe: Any = None
 
@@ -343,6 +359,8 @@ class GroupedExperts(nn.Module):
         x_SD = x_SD.to(dtype)
         S, D = x_SD.shape
         w13_E2FD, w2_EDF = _local(self.w13_E2FD), _local(self.w2_EDF)
+        if self.replicas is not None:
+            w13_E2FD, w2_EDF = self.replicas.slot_weights(w13_E2FD, w2_EDF)
         cpu = x_SD.device.type == "cpu"
         if self.fp8_recipe is not None:
             return fp8_expert_swiglu(x_SD, w13_E2FD, w2_EDF, tokens_per_expert_E, self.fp8_recipe, dtype,

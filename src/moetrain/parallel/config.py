@@ -14,6 +14,8 @@ from moetrain.layout import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, CudaGraphs, D
 #: which keeps two copies of the parameters.
 PP_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.DUALPIPEV, Schedule.ZBV)
 V_SCHEDULES = tuple(s for s in Schedule if s.is_v)
+#: Schedules whose backward torch runs as separate input- and weight-gradient actions.
+SPLIT_BACKWARD = (Schedule.DUALPIPEV, Schedule.ZBV)
 #: Dispatchers the trainer has (``moetrain.parallel.dispatch.AllToAllDispatcher``; at EP = 1 either is a local
 #: permutation).
 DISPATCHERS = (Dispatcher.ALLTOALL, Dispatcher.FLEX)
@@ -73,6 +75,18 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
                     f"fsdp=true with {'pp > 1' if layout.pp > 1 else 'ep_overlap'}: the pipeline schedules and EP "
                     f"overlap run many forwards and backwards of a stage interleaved, so the trainer keeps the "
                     f"parameters gathered through the step; use fsdp false"))
+    if isinstance(layout, ParallelConfig) and layout.redundant_experts:
+        why = [(f"capacity_factor={layout.capacity_factor}", layout.capacity_factor is not None,
+                "dropping counts a capacity per expert, and copies would each get one"),
+               (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.schedule in SPLIT_BACKWARD
+                and not layout.ep_overlap, "a schedule that splits the backward (torch's input and weight "
+                "actions) computes the weight gradients of the stage's parameters only, and the copies are not "
+                "parameters (use 1f1b or interleaved, or dualpipev with ep_overlap, whose paired backward is whole)"),
+               (f"ep={layout.ep}", layout.ep == 1, "with one EP rank there is no other rank to copy an expert to")]
+        for what, bad, reason in why:
+            if bad:
+                out.append(("redundant experts", f"redundant_experts={layout.redundant_experts} with {what}: "
+                            f"{reason}; set parallel.redundant_experts=0 or change it"))
     if layout.mtp_depth is not None:
         out.append(("an MTP depth in the layout", f"mtp_depth={layout.mtp_depth}; the trainer's is model.mtp_depth"))
     return out
@@ -143,6 +157,10 @@ class ParallelConfig(Layout):
         n_chunks: split each micro-batch's tokens into this many chunks so one chunk's all-to-all overlaps another's
             expert GEMMs (1 = off).
         timeout_s: collective timeout; a hang ends with an error naming the phase.
+        redundant_experts: R, extra expert slots per EP rank holding copies of the hottest experts of other ranks
+            (``moetrain.parallel.redundant``); 0 = off. Training is the unreplicated training up to fp32 sum order.
+        rebalance_every: N, steps between placements of the copies, each from the loads of the last N steps (no
+            copies before the first).
     """
 
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -157,6 +175,8 @@ class ParallelConfig(Layout):
     overlap: bool = True
     n_chunks: int = 1
     timeout_s: float = 300.0
+    redundant_experts: int = 0
+    rebalance_every: int = 100
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -190,6 +210,11 @@ class ParallelConfig(Layout):
                 raise ConfigError(f"parallel.{name}={getattr(self, name)!r} must be true or false")
         if self.fsdp is not None and not isinstance(self.fsdp, bool):
             raise ConfigError(f"parallel.fsdp={self.fsdp!r} must be true, false or unset")
+        for name in ("redundant_experts", "rebalance_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "redundant_experts" else 1):
+                raise ConfigError(f"parallel.{name}={v!r} must be an integer >= "
+                                  f"{0 if name == 'redundant_experts' else 1}")
         missing = layout_not_runnable(self)
         if missing:
             raise ConfigError("moetrain train cannot run this layout: "

@@ -60,8 +60,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
-                                permute, unpermute)
+from moetrain.model.moe import (CapacityConfig, DispatchStats, ExpertReplicas, PermuteState, capacity_keep_mask,
+                                pad_to_capacity, permute, unpermute)
 from moetrain.model.phases import carry, current_tape
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
 from moetrain.parallel.hang import in_phase
@@ -306,6 +306,17 @@ class AllToAllDispatcher:
         self.stats = DispatchStats(layer=0)
         # Rows and compute time of this rank's experts, for the imbalance telemetry (moetrain.parallel.imbalance).
         self.expert_timer = ExpertTimer(self.stats)
+        # Redundant experts (``moetrain.parallel.redundant``): tokens go to (rank, slot) pairs, El + R slots a rank.
+        self.replicas: ExpertReplicas | None = None
+
+    def _slots(self, topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """(destination slot of every assignment (T, K), slots over all ranks, slots per rank): the expert ids,
+        E and El without redundant experts; with them, the holder slot each assignment goes to (``route``), and
+        EP x (El + R), El + R."""
+        if self.replicas is None:
+            return topk_idx_TK, self.n_experts, self.n_local_experts
+        C = self.n_local_experts + self.replicas.slots
+        return self.replicas.route(topk_idx_TK), self.ep_size * C, C
 
     @property
     def layer(self) -> int:
@@ -322,9 +333,10 @@ class AllToAllDispatcher:
         flight (the one exchange the rows wait for)."""
         if self.dedup:
             return self._dispatch_dedup(x_TD, topk_idx_TK, topk_weight_TK, meanwhile)
-        R, El = self.ep_size, self.n_local_experts
-        keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, self.n_experts, self.capacity)
-        x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, self.n_experts, keep_TK)
+        topk_idx_TK, E, El = self._slots(topk_idx_TK)
+        R = self.ep_size
+        keep_TK, capacity = capacity_keep_mask(topk_idx_TK, topk_weight_TK, E, self.capacity)
+        x_SD, counts_E, pstate = permute(x_TD, topk_idx_TK, topk_weight_TK, E, keep_TK)
         x_later, weight_later = carry(x_SD), carry(pstate.row_weight_S)  # read after the count exchange
         send_counts_RE = counts_E.view(R, El)
         with in_phase(f"dispatch (counts), MoE layer {self.layer}"):
@@ -360,7 +372,8 @@ class AllToAllDispatcher:
                         meanwhile: Callable[[], Any] | None = None) -> _DedupDispatchHandle:
         """Send each token once to every rank holding at least one of its experts, with the gate weights and local
         expert ids of the experts it has there. x_TD (T, D), topk_idx_TK (T, K) int64, topk_weight_TK (T, K) fp32."""
-        R, El, E = self.ep_size, self.n_local_experts, self.n_experts
+        topk_idx_TK, E, El = self._slots(topk_idx_TK)
+        R = self.ep_size
         T, K = topk_idx_TK.shape
         dev = topk_idx_TK.device
         x_later, weight_later = carry(x_TD), carry(topk_weight_TK)  # read after the count exchange

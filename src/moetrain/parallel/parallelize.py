@@ -38,6 +38,7 @@ from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher
 from moetrain.parallel.mesh import ParallelContext
+from moetrain.parallel.redundant import LayerReplicas
 
 
 def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dtype | None = None) -> Transformer:
@@ -67,6 +68,10 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             moe.dispatcher = AllToAllDispatcher(E, pcfg.ep, ctx.ep_rank, ctx.ep_group, capacity, pcfg.overlap,
                                                 pcfg.dedup, dispatch_dtype=pcfg.dispatch_precision.value)
             moe.dispatcher.layer = m_idx
+            if pcfg.redundant_experts:
+                edp = ctx.edp_mesh.get_group() if ctx.edp_mesh is not None else None
+                moe.experts.replicas = moe.dispatcher.replicas = LayerReplicas(
+                    E, pcfg.ep, ctx.ep_rank, pcfg.redundant_experts, pcfg.rebalance_every, ctx.ep_group, edp, m_idx)
         else:
             moe.dispatcher = LocalDispatcher(E, capacity)
         if ctx.distributed:

@@ -26,6 +26,7 @@ from moetrain.plan.plan import (ATTN_PRECISIONS, CUDA_GRAPHS, DISPATCH_PRECISION
                                 SCHEDULES, Plan, PlanError)
 from moetrain.plan.records import RECORDS, Record, Role, get_record
 from moetrain.plan.local import local_plan
+from moetrain.plan.measured import imbalance_from_run
 from moetrain.plan.shape import ShapeError, load_shape
 
 #: plan fields settable from the command line: (flag, Plan field, type)
@@ -82,6 +83,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     x.add_argument("--no-ep-overlap", dest="ep_overlap", action="store_false")
     g.add_argument("--routing", choices=ROUTING)
     g.add_argument("--imbalance", type=float, help="max/mean tokens per EP rank under --routing real")
+    g.add_argument("--imbalance-from", metavar="RUN_DIR", help="--imbalance measured by a `moetrain train --out "
+                   "RUN_DIR` run: max/mean rows per EP rank from its metrics.jsonl's expert loads (implies "
+                   "--routing real)")
+    g.add_argument("--redundant-experts", type=int, help="with --imbalance-from: the copies per EP rank to place "
+                   "on the measured loads (default: the run's own parallel.redundant_experts)")
     g.add_argument("--node-limit", type=int, help="node-limited routing: experts on at most M NVLink domains")
     g.add_argument("--schedule", choices=list(SCHEDULES) + list(SCHEDULE_ALIASES),
                    help="pipeline schedule (moetrain.layout.Schedule); the older name interleaved-1f1b is accepted")
@@ -169,6 +175,13 @@ def _resolve(args: argparse.Namespace) -> tuple[Any, Any, int, Plan, Record | No
         gpu = with_overrides(gpu, nvlink_domain=args.nvlink_domain)
     n = args.gpus if args.gpus is not None else (rec.n_gpus if rec else gpu.host_procs if local else 256)
     plan = rec.plan if rec else _builtin_job_plan(shape, n, args) if local else Plan()
+    if args.imbalance_from is not None:
+        if args.imbalance is not None:
+            raise ValueError("--imbalance and --imbalance-from both give the imbalance; give one of them")
+        args.imbalance = imbalance_from_run(args.imbalance_from, args.redundant_experts)
+        args.routing = args.routing or "real"
+    elif args.redundant_experts is not None:
+        raise ValueError("--redundant-experts places copies on a run's measured loads; add --imbalance-from RUN_DIR")
     changes: dict[str, Any] = {}
     for flag, field, _ in _PLAN_FLAGS:
         v = getattr(args, flag, None)

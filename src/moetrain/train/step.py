@@ -33,6 +33,7 @@ from moetrain.parallel.imbalance import ImbalanceStep, measure_imbalance
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.pipeline import sync_embedding_grads
+from moetrain.parallel.redundant import LayerReplicas
 from moetrain.train.runners import ModelParts, Objective
 
 __all__ = ["ModelParts", "Objective", "StepResult", "grad_norm_and_clip", "train_step", "update_expert_biases"]
@@ -160,12 +161,18 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
     objective.start(n_tok, n_mtp)
     for p in model.parts:
         p.start_step(balance_scale)
+    layers = model.moe_layers()
+    # Redundant experts (moetrain.parallel.redundant): the copies are fetched again from this step's weights.
+    replicas = [(m, moe.experts, r) for m, moe in layers if isinstance(r := moe.experts.replicas, LayerReplicas)]
+    for _, _, r in replicas:
+        r.invalidate()
     amp = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     model.runner.forward_backward(micro_batches, amp, events)
     with named_phase("embedding gradient sum (first and last stage)", ctx.distributed):
         sync_embedding_grads(model.parts, model.embedding_group, model.embedding_sync)
+    for _, experts, r in replicas:
+        r.return_grads(experts.w13_E2FD, experts.w2_EDF)
 
-    layers = model.moe_layers()
     loads = torch.zeros(cfg.n_moe_layers + depth, cfg.n_routed_experts, dtype=torch.float64, device=device)
     bal = torch.zeros((), dtype=torch.float64, device=device)
     dropped = torch.zeros((), dtype=torch.float64, device=device)
@@ -191,6 +198,8 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
                      "gradient-norm all-reduces)", ctx.distributed):
         lm_v, mtp_v, bal_v, gnorm_v, dropped_v = torch.cat([terms, gnorm.view(1).to(packed), packed[-1:]]).tolist()
         loads_cpu = loads_ME.cpu()
+    for m, _, r in replicas:
+        r.observe(loads_cpu[m].tolist())
     # Device-timed intervals and collectives of the step have executed by now: read their events.
     for _, moe in layers:
         moe.dispatcher.stats.settle()
