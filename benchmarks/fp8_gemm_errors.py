@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from moetrain.model.config import get_preset  # noqa: E402
-from moetrain.model.moe import GroupedExperts, _swiglu  # noqa: E402
+from moetrain.model.experts import GroupedExperts, _swiglu  # noqa: E402
 from moetrain.model.transformer import build_model  # noqa: E402
 from moetrain.precision.apply import MLA_PROJECTIONS, SWIGLU_LINEARS  # noqa: E402
 from moetrain.precision.grouped import fp8_expert_swiglu  # noqa: E402

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from moetrain.model.moe import grouped_mm  # noqa: E402
+from moetrain.model.experts import grouped_mm  # noqa: E402
 from moetrain.precision import fused  # noqa: E402
 from moetrain.precision.gemm import fast_path_rtol, fp8_mm_reference, operand_t, scaled_mm_fast  # noqa: E402
 from moetrain.precision.grouped import aligned_layout, fp8_grouped_mm, grouped_reference, to_aligned  # noqa: E402

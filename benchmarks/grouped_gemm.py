@@ -60,7 +60,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import patches as P
     from common import sync
     from moetrain.model.layers import SwiGLU
-    from moetrain.model.moe import GroupedExperts
+    from moetrain.model.experts import GroupedExperts
     from peers import bench_config
 
     s = Settings.from_dict(spec["settings"])

@@ -324,7 +324,7 @@ def copy_moe_weights(dst, src) -> None:
 def moetrain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """moetrain's parameters and buffers by name, plus the gate/up views ``...experts.w1_EFD`` / ``w3_EFD`` of every
     stacked ``w13_E2FD`` (the peers store the two projections separately)."""
-    from moetrain.model.moe import GroupedExperts
+    from moetrain.model.experts import GroupedExperts
     out = dict(model.named_parameters()) | dict(model.named_buffers())
     for name, mod in model.named_modules():
         if isinstance(mod, GroupedExperts):

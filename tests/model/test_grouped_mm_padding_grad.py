@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.model.moe import grouped_mm
+from moetrain.model.experts import grouped_mm
 
 
 @pytest.mark.parametrize("counts, pad", [([3, 3, 3, 3], 4), ([0, 0, 0, 0], 3), ([5, 0, 2, 1], 6)])

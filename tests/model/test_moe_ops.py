@@ -11,8 +11,9 @@ from moetrain.accounting import count_params, flops_per_token
 from moetrain.model.config import DeepSeekV3Config
 from moetrain.model import PRESETS, ConfigError, ModelConfig, build_model, get_preset
 from moetrain.model.layers import SwiGLU, rope_cos_sin, rope_inv_freq
-from moetrain.model.moe import (CapacityConfig, GroupedExperts, MoE, Router, balanced_assignment, capacity_keep_mask,
-                                grouped_mm, padded_slots, permute, sequence_balance_loss, unpermute)
+from moetrain.model.moe import (CapacityConfig, MoE, Router, balanced_assignment, capacity_keep_mask, permute,
+                                sequence_balance_loss, unpermute)
+from moetrain.model.experts import GroupedExperts, grouped_mm, padded_slots
 
 
 def moe_cfg(**changes) -> ModelConfig:
@@ -445,7 +446,7 @@ def test_experts_train_under_cpu_bf16_autocast(counts):
     """CPU bf16 autocast: the batched path (equal loads, as forced-balanced routing gives) and the grouped path run
     forward and backward, and agree with fp32 to bf16 precision. The batched GEMM used to run in bf16 under autocast
     in forward and in fp32 without it in backward ("expected scalar type Float but found BFloat16")."""
-    from moetrain.model.moe import GroupedExperts
+    from moetrain.model.experts import GroupedExperts
 
     torch.manual_seed(0)
     ex = GroupedExperts(4, 16, 8)

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain import devices
 from moetrain.model.config import get_preset
-from moetrain.model.moe import GroupedExperts, _GroupedMM, _grouped_mm_supported
+from moetrain.model.experts import GroupedExperts, _GroupedMM, _grouped_mm_supported
 from moetrain.model.transformer import build_model
 from moetrain.precision import fused, gemm
 from moetrain.precision.apply import apply_fp8

@@ -11,7 +11,7 @@ from torch import nn
 
 from moetrain.data.synthetic import synthetic_batches
 from moetrain.model.config import get_preset
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import build_model
 from moetrain.precision.apply import apply_fp8
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms

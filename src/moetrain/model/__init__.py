@@ -3,7 +3,8 @@ and one folder per model family (``deepseek``, ``qwen3``), listed in :mod:`moetr
 
 from moetrain.model.config import (PRESETS, ConfigError, DeepSeekV3Config, ModelConfig, ModelFamily, Qwen3MoeConfig,
                                    get_preset)
-from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher, MoE, Router
+from moetrain.model.moe import CapacityConfig, LocalDispatcher, MoE, Router
+from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import IGNORE_INDEX, ModelOutput, Transformer, build_model, init_weights
 
 __all__ = ["PRESETS", "ConfigError", "DeepSeekV3Config", "ModelConfig", "ModelFamily", "Qwen3MoeConfig", "get_preset",

@@ -206,7 +206,7 @@ def add_attention_entries(out: StateMap, block: nn.Module, hf: str, ours: str, m
 
 
 def add_expert_entries(out: StateMap, experts: nn.Module, hf: str, ours: str, n_experts: int, mtp: bool) -> None:
-    """Add the routed experts of one layer (a :class:`~moetrain.model.moe.GroupedExperts` named ``ours`` here and
+    """Add the routed experts of one layer (a :class:`~moetrain.model.experts.GroupedExperts` named ``ours`` here and
     ``hf`` in HF) as one tensor per expert, ``{hf}{e}.{gate,up,down}_proj.weight`` (the released layout), and the
     stacked transformers-v5 layout as the alternative the loader accepts: ``{hf}gate_up_proj`` (E, 2F, D), exactly
     ``w13_E2FD``, and ``{hf}down_proj`` (E, D, F), exactly ``w2_EDF``."""

@@ -60,8 +60,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moetrain.model.moe import (CapacityConfig, DispatchStats, ExpertReplicas, PermuteState, capacity_keep_mask,
-                                pad_to_capacity, permute, unpermute)
+from moetrain.model.moe import (CapacityConfig, DispatchStats, PermuteState, capacity_keep_mask, pad_to_capacity,
+                                permute, unpermute)
+from moetrain.model.experts import ExpertReplicas
 from moetrain.model.phases import carry, current_tape
 from moetrain.parallel.comm import Pending, all_to_all, all_to_all_counts, issue
 from moetrain.parallel.hang import in_phase

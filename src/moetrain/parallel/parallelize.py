@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from moetrain.layout import Recompute
-from moetrain.model.moe import CapacityConfig, GroupedExperts, LocalDispatcher
+from moetrain.model.moe import CapacityConfig, LocalDispatcher
+from moetrain.model.experts import GroupedExperts
 from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher

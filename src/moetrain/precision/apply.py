@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from moetrain.model.layers import Attention, Linear, SwiGLU
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.experts import GroupedExperts
 from moetrain.precision.linear import Fp8Linear
 from moetrain.precision.recipe import Fp8Recipe, get_recipe
 

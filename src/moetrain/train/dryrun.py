@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moetrain.config import JobConfig
 from moetrain.layout import Layout
-from moetrain.model.moe import GroupedExperts
+from moetrain.model.experts import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor, parallelize

@@ -19,7 +19,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
     under expert parallelism they live on the (dp) device mesh and everything else on the world mesh, and one fused
     call cannot mix DTensors of two meshes.
     """
-    from moetrain.model.moe import GroupedExperts
+    from moetrain.model.experts import GroupedExperts
 
     expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
