@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan",),
     ("train.config", "config"),
     ("train",),
-    ("cli", "__main__", "plan.cli", "plan.__main__", "api"),
+    ("cli", "__main__", "plan.cli", "plan.cli_args", "plan.__main__", "api"),
 )
 
 
