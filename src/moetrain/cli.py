@@ -284,11 +284,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _device(name: str) -> str:
-    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu."""
-    if name != "auto":
-        return name
+    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu.
+
+    Raises:
+        ConfigError: ``cuda`` asked for where no CUDA device is visible (as ``train.device`` is refused).
+    """
     import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+    from moetrain.errors import ConfigError
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+    return name
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

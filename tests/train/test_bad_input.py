@@ -122,3 +122,13 @@ def test_local_dispatcher_with_ep2(capsys, tmp_path):
 def test_wrong_value_types(capsys, tmp_path):
     code, err, _ = _train(capsys, "--set", "train.resume=False", "--out", str(tmp_path / "run"))
     assert code == 2 and "train.resume" in err and "true or false" in err
+
+
+@pytest.mark.parametrize("cmd", [["sample", "--prompt", "def "], ["eval", "--data", "x.jsonl"]])
+def test_device_cuda_without_a_gpu_is_one_line(capsys, tmp_path, monkeypatch, cmd):
+    # Was an AssertionError traceback from torch's lazy CUDA init (exit 1); train.device=cuda is refused the same way.
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([cmd[0], str(tmp_path), *cmd[1:], "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device cuda but no CUDA device is visible" in err, err
