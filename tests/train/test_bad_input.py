@@ -132,3 +132,12 @@ def test_device_cuda_without_a_gpu_is_one_line(capsys, tmp_path, monkeypatch, cm
     assert main([cmd[0], str(tmp_path), *cmd[1:], "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--device cuda but no CUDA device is visible" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--max-batches", "--micro-batch-size"])
+def test_eval_zero_batches_is_refused(capsys, tmp_path, flag):
+    # --max-batches 0 printed loss 0.0000 / perplexity 1.000 over 0 tokens (exit 0); --micro-batch-size 0 meant the
+    # run's size, silently.
+    assert main(["eval", str(tmp_path), "--data", "x.jsonl", flag, "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flag} 0 must be >= 1" in err, err

@@ -28,6 +28,7 @@ import torch
 from moetrain.config import JobConfig
 from moetrain.data import Tokenizer, count_windows, iter_documents, resolve_paths
 from moetrain.data.corpus import DataError
+from moetrain.errors import ConfigError
 from moetrain.layout import Precision, Schedule
 from moetrain.model.transformer import IGNORE_INDEX, Transformer
 from moetrain.train.load import RunCheckpoint, load_run_model, open_run
@@ -164,8 +165,15 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
 
     Raises:
         CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
-        window. ConfigError: a layout that does not fit the model or the processes.
+        window. ConfigError: a layout that does not fit the model or the processes; ``max_batches`` or
+        ``micro_batch_size`` below 1.
     """
+    # Checked before anything is read: 0 batches reported loss 0 and perplexity 1 over 0 tokens, and a micro-batch
+    # size of 0 silently meant the run's.
+    for flag, v, unset in (("--max-batches", max_batches, "every window"),
+                           ("--micro-batch-size", micro_batch_size, "the run's")):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for {unset})")
     run = open_run(run_dir, step)
     seq_len = run.job.data.seq_len
     mbs = micro_batch_size or run.job.train.micro_batch_size
