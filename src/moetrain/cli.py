@@ -305,7 +305,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
                           micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
                           ep=args.ep, pp=args.pp)
-    print(report.table())
+    # With JSON on standard output the table goes to stderr, so that `moetrain eval ... --json | jq` parses.
+    print(report.table(), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         write_json(report, args.json)
     return 0

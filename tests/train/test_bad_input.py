@@ -141,3 +141,14 @@ def test_eval_zero_batches_is_refused(capsys, tmp_path, flag):
     assert main(["eval", str(tmp_path), "--data", "x.jsonl", flag, "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{flag} 0 must be >= 1" in err, err
+
+
+def test_eval_json_on_stdout_is_json_alone(capsys, monkeypatch):
+    # `moetrain eval ... --json` printed the table and the JSON both on stdout: `| jq` could not parse it.
+    from moetrain.train import evaluate
+    report = evaluate.EvalReport("r", "r/checkpoints/step_00000002", 2, 64, "one process on cpu",
+                                 [evaluate.SourceLoss("a.jsonl", 128, 2.0)])
+    monkeypatch.setattr(evaluate, "evaluate_run", lambda *a, **k: report)
+    assert main(["eval", "r", "--data", "a.jsonl", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"]["tokens"] == 128 and "a.jsonl" in err
