@@ -152,3 +152,8 @@ def test_eval_json_on_stdout_is_json_alone(capsys, monkeypatch):
     assert main(["eval", "r", "--data", "a.jsonl", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["total"]["tokens"] == 128 and "a.jsonl" in err
+
+
+def test_preset_typo_guesses_the_preset(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--preset", "qwen3-tiyn", "--out", str(tmp_path / "run"))
+    assert code == 2 and "unknown model preset 'qwen3-tiyn' (did you mean 'qwen3-tiny'?)" in err, err
