@@ -304,7 +304,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
                           micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
-                          ep=args.ep, pp=args.pp)
+                          ep=args.ep, pp=args.pp, text_field=args.text_field)
     # With JSON on standard output the table goes to stderr, so that `moetrain eval ... --json | jq` parses.
     print(report.table(), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
@@ -328,6 +328,8 @@ def add_eval_sample_parsers(sub: Any) -> None:
     ev.add_argument("--data", action="append", required=True, metavar="PATH", help="a held-out source: file or glob "
                     "(.txt, .jsonl, .parquet), tokenised with the run's tokenizer; repeatable, one row each")
     ev.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
+    ev.add_argument("--text-field", metavar="NAME", help="the JSON-lines key / Parquet column holding the text "
+                    "(default: the run's data.text_field)")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
     ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")
     ev.add_argument("--max-batches", type=int, metavar="N", help="score at most N micro-batches per source")

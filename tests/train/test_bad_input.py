@@ -157,3 +157,23 @@ def test_eval_json_on_stdout_is_json_alone(capsys, monkeypatch):
 def test_preset_typo_guesses_the_preset(capsys, tmp_path):
     code, err, _ = _train(capsys, "--preset", "qwen3-tiyn", "--out", str(tmp_path / "run"))
     assert code == 2 and "unknown model preset 'qwen3-tiyn' (did you mean 'qwen3-tiny'?)" in err, err
+
+
+def test_eval_text_field_reaches_the_reader(capsys, monkeypatch, tmp_path):
+    # The missing-field error told eval users to `--set data.text_field=NAME`, an option eval does not have; eval now
+    # takes --text-field (default: the run's data.text_field) and the message names it.
+    from moetrain.data.corpus import DataError, iter_documents
+    from moetrain.train import evaluate
+    seen = {}
+
+    def fake(run_dir, data, **kw):
+        seen.update(kw)
+        return evaluate.EvalReport("r", "c", 1, 64, "one process on cpu", [evaluate.SourceLoss("a", 1, 1.0)])
+    monkeypatch.setattr(evaluate, "evaluate_run", fake)
+    assert main(["eval", "r", "--data", "a.jsonl", "--text-field", "content"]) == 0
+    assert seen["text_field"] == "content"
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"content": "x = 1"}) + "\n")
+    with pytest.raises(DataError, match="moetrain eval: --text-field NAME"):
+        list(iter_documents([f], "text"))
+    assert list(iter_documents([f], "content")) == ["x = 1"]
