@@ -140,7 +140,8 @@ def pretrain(job: JobConfig) -> TrainResult:
 def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -> EvalReport:
     """Loss and perplexity of a run's checkpoint per source of ``data`` (files or globs) and over all: an
     :class:`~moetrain.train.evaluate.EvalReport` (``.sources``, ``.total``, ``.table()``, ``.to_dict()``). Keywords
-    as :func:`moetrain.train.evaluate.evaluate_run` (``step``, ``device``, ``max_batches``, ``nproc``/``ep``/``pp``).
+    as :func:`moetrain.train.evaluate.evaluate_run` (``step``, ``device``, ``max_batches``, ``nproc``/``ep``/``pp``,
+    ``text_field``).
 
     Raises:
         As :func:`moetrain.train.evaluate.evaluate_run`.

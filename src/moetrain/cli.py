@@ -284,11 +284,19 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _device(name: str) -> str:
-    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu."""
-    if name != "auto":
-        return name
+    """``--device`` of eval and sample: "auto" is cuda when a GPU is visible, else cpu.
+
+    Raises:
+        ConfigError: ``cuda`` asked for where no CUDA device is visible (as ``train.device`` is refused).
+    """
     import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+    from moetrain.errors import ConfigError
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device cpu or auto")
+    return name
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -296,8 +304,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
                           micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
-                          ep=args.ep, pp=args.pp)
-    print(report.table())
+                          ep=args.ep, pp=args.pp, text_field=args.text_field)
+    # With JSON on standard output the table goes to stderr, so that `moetrain eval ... --json | jq` parses.
+    print(report.table(), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.json:
         write_json(report, args.json)
     return 0
@@ -319,6 +328,8 @@ def add_eval_sample_parsers(sub: Any) -> None:
     ev.add_argument("--data", action="append", required=True, metavar="PATH", help="a held-out source: file or glob "
                     "(.txt, .jsonl, .parquet), tokenised with the run's tokenizer; repeatable, one row each")
     ev.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
+    ev.add_argument("--text-field", metavar="NAME", help="the JSON-lines key / Parquet column holding the text "
+                    "(default: the run's data.text_field)")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
     ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")
     ev.add_argument("--max-batches", type=int, metavar="N", help="score at most N micro-batches per source")

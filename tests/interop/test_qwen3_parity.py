@@ -160,6 +160,21 @@ def test_unsupported_hf_configs_are_refused_by_name(change, match):
         config_from_hf(d)
 
 
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": "big"}, "hidden_size='big' must be an integer"),
+    ({"num_experts_per_tok": 2.5}, "num_experts_per_tok=2.5 must be an integer"),
+    ({"norm_topk_prob": "false"}, "norm_topk_prob='false' must be true or false"),
+    ({"rope_theta": "1e6", "rope_parameters": None}, "rope_theta='1e6' must be a number"),
+    ({"decoder_sparse_step": "1"}, "decoder_sparse_step='1' must be an integer"),
+])
+def test_mistyped_hf_config_values_are_refused_by_name(change, match):
+    # Untyped reads gave a ValueError traceback (int("big")), a silent 2 (int(2.5)) or a silent True
+    # (bool("false")); each must be a ConfigError naming the key.
+    d = config_to_hf(get_preset("qwen3-tiny")) | change
+    with pytest.raises(ConfigError, match=match):
+        config_from_hf(d)
+
+
 def test_export_refuses_what_qwen3_cannot_compute():
     with pytest.raises(ConfigError, match=r"model.n_shared_experts=1 \(needs 0\)"):
         config_to_hf(get_preset("qwen3-tiny").replace(n_shared_experts=1))

@@ -122,3 +122,58 @@ def test_local_dispatcher_with_ep2(capsys, tmp_path):
 def test_wrong_value_types(capsys, tmp_path):
     code, err, _ = _train(capsys, "--set", "train.resume=False", "--out", str(tmp_path / "run"))
     assert code == 2 and "train.resume" in err and "true or false" in err
+
+
+@pytest.mark.parametrize("cmd", [["sample", "--prompt", "def "], ["eval", "--data", "x.jsonl"]])
+def test_device_cuda_without_a_gpu_is_one_line(capsys, tmp_path, monkeypatch, cmd):
+    # Was an AssertionError traceback from torch's lazy CUDA init (exit 1); train.device=cuda is refused the same way.
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([cmd[0], str(tmp_path), *cmd[1:], "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device cuda but no CUDA device is visible" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--max-batches", "--micro-batch-size"])
+def test_eval_zero_batches_is_refused(capsys, tmp_path, flag):
+    # --max-batches 0 printed loss 0.0000 / perplexity 1.000 over 0 tokens (exit 0); --micro-batch-size 0 meant the
+    # run's size, silently.
+    assert main(["eval", str(tmp_path), "--data", "x.jsonl", flag, "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{flag} 0 must be >= 1" in err, err
+
+
+def test_eval_json_on_stdout_is_json_alone(capsys, monkeypatch):
+    # `moetrain eval ... --json` printed the table and the JSON both on stdout: `| jq` could not parse it.
+    from moetrain.train import evaluate
+    report = evaluate.EvalReport("r", "r/checkpoints/step_00000002", 2, 64, "one process on cpu",
+                                 [evaluate.SourceLoss("a.jsonl", 128, 2.0)])
+    monkeypatch.setattr(evaluate, "evaluate_run", lambda *a, **k: report)
+    assert main(["eval", "r", "--data", "a.jsonl", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["total"]["tokens"] == 128 and "a.jsonl" in err
+
+
+def test_preset_typo_guesses_the_preset(capsys, tmp_path):
+    code, err, _ = _train(capsys, "--preset", "qwen3-tiyn", "--out", str(tmp_path / "run"))
+    assert code == 2 and "unknown model preset 'qwen3-tiyn' (did you mean 'qwen3-tiny'?)" in err, err
+
+
+def test_eval_text_field_reaches_the_reader(capsys, monkeypatch, tmp_path):
+    # The missing-field error told eval users to `--set data.text_field=NAME`, an option eval does not have; eval now
+    # takes --text-field (default: the run's data.text_field) and the message names it.
+    from moetrain.data.corpus import DataError, iter_documents
+    from moetrain.train import evaluate
+    seen = {}
+
+    def fake(run_dir, data, **kw):
+        seen.update(kw)
+        return evaluate.EvalReport("r", "c", 1, 64, "one process on cpu", [evaluate.SourceLoss("a", 1, 1.0)])
+    monkeypatch.setattr(evaluate, "evaluate_run", fake)
+    assert main(["eval", "r", "--data", "a.jsonl", "--text-field", "content"]) == 0
+    assert seen["text_field"] == "content"
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"content": "x = 1"}) + "\n")
+    with pytest.raises(DataError, match="moetrain eval: --text-field NAME"):
+        list(iter_documents([f], "text"))
+    assert list(iter_documents([f], "content")) == ["x = 1"]

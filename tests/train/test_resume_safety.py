@@ -117,3 +117,15 @@ def test_changed_tokenizer_or_data_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="other data"):
         check_same_data(tmp_path, state, c, job)
     check_same_data(tmp_path, {}, b, job)  # an older checkpoint without the record is not checked
+
+
+def test_schedule_change_names_the_first_step_whose_lr_differs(tmp_path):
+    # A 20-step run ends inside its 20-step warm-up (LR 4e-3 at step 20 either way); resumed to 30 steps the cosine
+    # decays from there. The message said "goes from 0.004 to 0.004". Hand-computed: step 21 is 1/10 into the
+    # cosine, min_lr + 0.5 (lr - min_lr)(1 + cos(pi / 10)) = 4e-4 + 1.8e-3 * 1.95106 = 3.912e-3.
+    job = JobConfig()
+    old = replace(job, train=replace(job.train, steps=20, warmup_steps=20, lr=4e-3, min_lr=4e-4))
+    new = replace(old, train=replace(old.train, steps=30))
+    with pytest.raises(ConfigError) as e:
+        check_schedule_unchanged(tmp_path, _state(old, step=20), new)
+    assert "the LR at step 20 stays 0.004, but at step 21 goes from 0.004 to 0.00391" in str(e.value), str(e.value)

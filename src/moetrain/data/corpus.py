@@ -231,7 +231,7 @@ def _doc_from_record(rec: object, text_field: str, where: str) -> str:
     if text_field not in rec:
         keys = ", ".join(repr(k) for k in list(rec)[:20]) or "none"
         raise DataError(f"{where}: record has no field {text_field!r} (fields present: {keys}); name the key "
-                        "that holds the text with --set data.text_field=NAME")
+                        "that holds the text with --set data.text_field=NAME (moetrain eval: --text-field NAME)")
     text = rec[text_field]
     if text is None:
         return ""
@@ -285,7 +285,8 @@ def _iter_parquet(path: Path, text_field: str, limit: int | None = None) -> Iter
     if text_field not in schema.names:
         cols = ", ".join(repr(c) for c in schema.names) or "none"
         raise DataError(f"Parquet file {str(path)!r} has no column {text_field!r} (available columns: {cols}); name "
-                        "the column that holds the text with --set data.text_field=NAME")
+                        "the column that holds the text with --set data.text_field=NAME (moetrain eval: "
+                        "--text-field NAME)")
     typ = schema.field(text_field).type
     if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)
             or getattr(pa.types, "is_string_view", lambda t: False)(typ)):

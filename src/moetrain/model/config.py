@@ -9,6 +9,7 @@ family with :meth:`ModelConfig.from_dict`.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable
 
 from moetrain.errors import ConfigError
@@ -63,9 +64,11 @@ def get_preset(name: str) -> ModelConfig:
     """Return a fresh config of the named preset.
 
     Raises:
-        ConfigError: unknown name; the message lists the presets.
+        ConfigError: unknown name; the message lists the presets and guesses the nearest.
     """
     try:
         return PRESETS[name]()
     except KeyError:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+        close = difflib.get_close_matches(name, PRESETS, n=1)  # as unknown --set fields get a guess
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown model preset {name!r}{guess}; choose one of {sorted(PRESETS)}") from None

@@ -28,6 +28,7 @@ import torch
 from moetrain.config import JobConfig
 from moetrain.data import Tokenizer, count_windows, iter_documents, resolve_paths
 from moetrain.data.corpus import DataError
+from moetrain.errors import ConfigError
 from moetrain.layout import Precision, Schedule
 from moetrain.model.transformer import IGNORE_INDEX, Transformer
 from moetrain.train.load import RunCheckpoint, load_run_model, open_run
@@ -138,11 +139,11 @@ def model_loss_sums(model: Transformer, batches: MicroBatches) -> tuple[float, i
     return ce, n
 
 
-def _sources(run: RunCheckpoint, data: list[str]) -> list[np.ndarray]:
+def _sources(run: RunCheckpoint, data: list[str], text_field: str | None = None) -> list[np.ndarray]:
     tok = run.tokenizer()
     out = []
     for src in data:
-        tokens = source_tokens(src, tok, run.job.data.text_field)
+        tokens = source_tokens(src, tok, text_field or run.job.data.text_field)
         if count_windows(len(tokens), run.job.data.seq_len) < 1:
             raise DataError(f"--data {src}: {len(tokens)} tokens, fewer than one {run.job.data.seq_len + 1}-token "
                             f"window of the run's data.seq_len; give more text")
@@ -152,7 +153,8 @@ def _sources(run: RunCheckpoint, data: list[str]) -> list[np.ndarray]:
 
 def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None = None, device: str = "cpu",
                  micro_batch_size: int | None = None, max_batches: int | None = None,
-                 nproc: int | None = None, ep: int | None = None, pp: int | None = None) -> EvalReport:
+                 nproc: int | None = None, ep: int | None = None, pp: int | None = None,
+                 text_field: str | None = None) -> EvalReport:
     """Loss and perplexity of ``run_dir``'s newest checkpoint (or ``step``) on each source of ``data``.
 
     Args:
@@ -161,15 +163,23 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
         nproc, ep, pp: run on ``nproc`` local workers with that expert- and pipeline-parallel layout (the trainer's
             model parts and evaluation path); ``nproc`` defaults to ep x pp when either is given; all None: one
             process.
+        text_field: the JSON-lines key / Parquet column holding the text (default: the run's ``data.text_field``).
 
     Raises:
         CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
-        window. ConfigError: a layout that does not fit the model or the processes.
+        window. ConfigError: a layout that does not fit the model or the processes; ``max_batches`` or
+        ``micro_batch_size`` below 1.
     """
+    # Checked before anything is read: 0 batches reported loss 0 and perplexity 1 over 0 tokens, and a micro-batch
+    # size of 0 silently meant the run's.
+    for flag, v, unset in (("--max-batches", max_batches, "every window"),
+                           ("--micro-batch-size", micro_batch_size, "the run's")):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for {unset})")
     run = open_run(run_dir, step)
     seq_len = run.job.data.seq_len
     mbs = micro_batch_size or run.job.train.micro_batch_size
-    tokens = _sources(run, data)
+    tokens = _sources(run, data, text_field)
     if nproc is None and (ep or pp):
         nproc = (ep or 1) * (pp or 1)
     if nproc is None:

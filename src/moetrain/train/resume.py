@@ -40,13 +40,24 @@ def check_schedule_unchanged(ckpt: Path, state: dict[str, Any], job: JobConfig) 
     if not changed:
         return
     step = int(state.get("step", 0))
-    before = lr_at(step, lr=saved["lr"], min_lr=saved["min_lr"], warmup_steps=saved["warmup_steps"],
-                   total_steps=saved["steps"], schedule=saved["schedule"])
-    after = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
-                  schedule=tc.schedule)
-    raise ConfigError(f"resuming {ckpt} would change the learning-rate schedule ({'; '.join(changed)}): the LR at "
-                      f"step {step} goes from {before:.3g} to {after:.3g}. Resume with the run's settings, or accept "
-                      f"the change with --set train.allow_schedule_change=true")
+
+    def lrs(s: int) -> tuple[str, str]:  # as printed: the schedules part where these differ
+        before = lr_at(s, lr=saved["lr"], min_lr=saved["min_lr"], warmup_steps=saved["warmup_steps"],
+                       total_steps=saved["steps"], schedule=saved["schedule"])
+        after = lr_at(s, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
+                      schedule=tc.schedule)
+        return f"{before:.3g}", f"{after:.3g}"
+
+    before, after = lrs(step)
+    where = f"the LR at step {step} goes from {before} to {after}"
+    if before == after:  # e.g. a run that ended in its warm-up: "0.004 to 0.004" would say nothing changes
+        first = next((s for s in range(step + 1, max(tc.steps, saved.get("steps", 0))) if len(set(lrs(s))) > 1),
+                     None)
+        if first is not None:
+            where = f"the LR at step {step} stays {before}, but at step {first} goes from {' to '.join(lrs(first))}"
+    raise ConfigError(f"resuming {ckpt} would change the learning-rate schedule ({'; '.join(changed)}): {where}. "
+                      f"Resume with the run's settings, or accept the change with --set "
+                      f"train.allow_schedule_change=true")
 
 
 def check_same_tokenizer_file(ckpt: Path, state: dict[str, Any], job: JobConfig) -> None:

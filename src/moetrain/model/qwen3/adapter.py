@@ -25,6 +25,7 @@ from torch import nn
 
 from moetrain.errors import ConfigError
 from moetrain.model.config_base import TRAINING_FIELDS, ModelConfig
+from moetrain.model.hf_config import HFConfigReader
 from moetrain.model.moe import MoE
 from moetrain.model.qwen3.config import Qwen3MoeConfig
 from moetrain.model.state_dict import (StateDictAdapter, StateMap, TensorEntry, add_attention_entries,
@@ -40,7 +41,8 @@ def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
     Keys absent from ``d`` take the Qwen3-30B-A3B values; ``router_aux_loss_coef`` is the balance-loss alpha.
 
     Raises:
-        ConfigError: another model_type; a sliding window; ``decoder_sparse_step`` != 1 or ``mlp_only_layers`` other
+        ConfigError: a value of the wrong JSON type (naming the key and the type,
+            :class:`~moetrain.model.hf_config.HFConfigReader`); another model_type; a sliding window; ``decoder_sparse_step`` != 1 or ``mlp_only_layers`` other
             than the first k layers; a RoPE scaling; attention bias; an activation other than silu; no experts;
             and every inconsistency :class:`Qwen3MoeConfig` itself rejects.
     """
@@ -48,11 +50,13 @@ def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
         raise ConfigError(f"expected a config dict, got {type(d).__name__}")
     if d.get("model_type", "qwen3_moe") != "qwen3_moe":
         raise ConfigError(f"model_type={d['model_type']!r} is not qwen3_moe")
+    r = HFConfigReader(d)
     out: dict[str, Any] = {}
 
-    def take(hf_key: str, name: str, conv=lambda v: v) -> None:
-        if d.get(hf_key) is not None:
-            out[name] = conv(d[hf_key])
+    # Typed reads: int("four") would be a traceback, int(2.5) a silent 2, bool("false") a silent True.
+    def take(hf_key: str, name: str, tp: type) -> None:
+        if r.has(hf_key):
+            out[name] = r.get(hf_key, tp)
 
     take("vocab_size", "vocab_size", int)
     take("hidden_size", "dim", int)
@@ -78,7 +82,7 @@ def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
     if d.get("use_sliding_window"):
         raise ConfigError("use_sliding_window=true is not supported (moetrain's Qwen3 attention is full causal); "
                           "set it to false")
-    step = int(d.get("decoder_sparse_step") or 1)
+    step = r.get("decoder_sparse_step", int, 1)
     if step != 1:
         raise ConfigError(f"decoder_sparse_step={step} is not supported (only every layer MoE, after the "
                           "mlp_only_layers); use 1")
@@ -98,9 +102,11 @@ def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
     if types:
         rope_type = sorted(types)[0]
         raise ConfigError(f"rope type {rope_type!r} is not supported for Qwen3-MoE; allowed: 'default' (plain RoPE)")
-    theta = rp.get("rope_theta") if rp.get("rope_theta") is not None else d.get("rope_theta")
-    if theta is not None:
-        out["rope_theta"] = float(theta)
+    theta_reader = r.block("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else r
+    if not theta_reader.has("rope_theta"):
+        theta_reader = r
+    if theta_reader.has("rope_theta"):
+        out["rope_theta"] = theta_reader.get("rope_theta", float)
     extra = d.get(EXTRA_KEY) or {}
     if not isinstance(extra, dict):
         raise ConfigError(f"config key {EXTRA_KEY!r} must be a dict, got {type(extra).__name__}")
