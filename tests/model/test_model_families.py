@@ -72,6 +72,21 @@ def test_qwen3_config_checks():
         Qwen3MoeConfig(n_heads=4, n_kv_heads=3)
     with pytest.raises(ConfigError, match="model.head_dim=7 must be even"):
         Qwen3MoeConfig(head_dim=7)
+    # no MTP modules in the qwen3_moe layout: a run with them could not be exported
+    with pytest.raises(ConfigError, match="model.mtp_depth=1: Qwen3-MoE has no multi-token prediction"):
+        Qwen3MoeConfig(mtp_depth=1)
+
+
+def test_a_qwen3_config_json_without_its_shape_keys_is_refused_naming_them():
+    """A qwen3_moe config.json missing hidden_size must not silently become Qwen3-30B-A3B's 2048."""
+    from moetrain.model.qwen3.adapter import config_from_hf, config_to_hf
+
+    full = config_to_hf(PRESETS["qwen3-tiny"]())
+    assert config_from_hf(full).dim == PRESETS["qwen3-tiny"]().dim
+    with pytest.raises(ConfigError, match="hidden_size"):
+        config_from_hf({k: v for k, v in full.items() if k != "hidden_size"})
+    with pytest.raises(ConfigError, match="num_experts"):
+        config_from_hf({k: v for k, v in full.items() if k not in ("num_experts", "num_local_experts")})
 
 
 def test_a_run_saved_before_families_resumes_and_another_family_is_refused(tmp_path):

@@ -245,8 +245,9 @@ def _recipe_fields(job: JobConfig, ctx: ParallelContext) -> list[LogField]:
         LogField("fsdp", on[bool(pcfg.fsdp)]),
         LogField("lr", f"{tc.schedule} {tc.lr:g} -> {tc.min_lr:g}, warm-up {tc.warmup_steps}"
                        if tc.schedule != "constant" else f"constant {tc.lr:g}, warm-up {tc.warmup_steps}"),
-        LogField("loss", f"lm + mtp ({m.mtp_loss_weight:g} x MTP CE) + bal ({m.balance_loss_alpha:g} x balance); "
-                         f"val is lm"),
+        LogField("loss", (f"lm + mtp ({m.mtp_loss_weight:g} x MTP CE)" if m.mtp_depth
+                          else "lm + mtp (none: mtp_depth 0)")
+                 + f" + bal ({m.balance_loss_alpha:g} x balance); val is lm"),
     ]
 
 

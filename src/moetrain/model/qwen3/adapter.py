@@ -35,15 +35,21 @@ from moetrain.model.state_dict import (StateDictAdapter, StateMap, TensorEntry, 
 EXTRA_KEY = "moetrain"
 
 
+#: The keys a qwen3_moe config.json must give (a missing hidden size is an error, never a released model's value).
+ARCH_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "moe_intermediate_size", "num_experts_per_tok")
+
+
 def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
     """Build a :class:`Qwen3MoeConfig` from a Hugging Face ``qwen3_moe`` ``config.json`` dict (released style:
     ``num_experts``, top-level ``rope_theta``; or transformers v5: ``num_local_experts``, ``rope_parameters``).
-    Keys absent from ``d`` take the Qwen3-30B-A3B values; ``router_aux_loss_coef`` is the balance-loss alpha.
+    The shape keys (:data:`ARCH_KEYS`, and ``num_experts`` or ``num_local_experts``) are required; other keys absent
+    from ``d`` take the Qwen3-30B-A3B values; ``router_aux_loss_coef`` is the balance-loss alpha.
 
     Raises:
-        ConfigError: a value of the wrong JSON type (naming the key and the type,
-            :class:`~moetrain.model.hf_config.HFConfigReader`); another model_type; a sliding window; ``decoder_sparse_step`` != 1 or ``mlp_only_layers`` other
-            than the first k layers; a RoPE scaling; attention bias; an activation other than silu; no experts;
+        ConfigError: a missing :data:`ARCH_KEYS` key or expert count; a value of the wrong JSON type (naming the key
+            and the type, :class:`~moetrain.model.hf_config.HFConfigReader`); another model_type; a sliding window;
+            ``decoder_sparse_step`` != 1 or ``mlp_only_layers`` other than the first k layers; a RoPE scaling; attention bias; an activation other than silu; no experts;
             and every inconsistency :class:`Qwen3MoeConfig` itself rejects.
     """
     if not isinstance(d, dict):
@@ -51,6 +57,10 @@ def config_from_hf(d: dict[str, Any]) -> Qwen3MoeConfig:
     if d.get("model_type", "qwen3_moe") != "qwen3_moe":
         raise ConfigError(f"model_type={d['model_type']!r} is not qwen3_moe")
     r = HFConfigReader(d)
+    r.require(ARCH_KEYS, "the Qwen3-MoE architecture")
+    if not (r.has("num_experts") or r.has("num_local_experts")):
+        raise ConfigError("num_experts is missing (or num_local_experts, transformers v5's name): it is required to "
+                          "describe the Qwen3-MoE architecture")
     out: dict[str, Any] = {}
 
     # Typed reads: int("four") would be a traceback, int(2.5) a silent 2, bool("false") a silent True.

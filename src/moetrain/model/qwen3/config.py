@@ -79,6 +79,10 @@ class Qwen3MoeConfig(ModelConfig):
                               f"attention); allowed: {divisors}")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if self.mtp_depth:
+            raise ConfigError(f"model.mtp_depth={self.mtp_depth}: Qwen3-MoE has no multi-token prediction (the "
+                              "qwen3_moe checkpoint layout has no MTP modules, so a run could not be exported); "
+                              "set model.mtp_depth=0")
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     @property
