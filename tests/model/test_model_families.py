@@ -114,3 +114,18 @@ def test_a_qwen3_job_file_round_trips_with_or_without_its_preset(tmp_path):
     hf = JobConfig(model=get_preset("qwen3-tiny").replace(dim=96), preset="hf:/x/config.json")
     back = build_job_config(read_config_file(save_job_config(hf, tmp_path / "hf.toml")))
     assert back.model == hf.model and back.preset == "qwen3-tiny"
+
+
+def test_calling_the_base_builds_the_family_config_as_before_families():
+    """Code written before families (the longseq acceptance script among it) builds configs with
+    ``ModelConfig(**cfg.to_dict())`` and ``ModelConfig(q_lora_rank=...)``: the base dispatches on ``family``."""
+    tiny = PRESETS["tiny"]()
+    again = ModelConfig(**{**tiny.to_dict(), "max_seq_len": 8192})
+    assert type(again) is DeepSeekV3Config and again.max_seq_len == 8192 and again.q_lora_rank == tiny.q_lora_rank
+    assert type(ModelConfig(q_lora_rank=0)) is DeepSeekV3Config
+    q = PRESETS["qwen3-tiny"]()
+    assert ModelConfig(**q.to_dict()) == q and Qwen3MoeConfig(**q.to_dict()) == q
+    with pytest.raises(ConfigError, match="model.family='qwen3_moe' where a deepseek_v3 model is expected"):
+        DeepSeekV3Config(**q.to_dict())
+    with pytest.raises(ConfigError, match="model.family='gpt'; allowed"):
+        ModelConfig(family="gpt")

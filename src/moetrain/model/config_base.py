@@ -76,8 +76,26 @@ class Yarn:
     mscale_all_dim: float
 
 
+class _ByFamily(type):
+    """Metaclass of :class:`ModelConfig`: calling the base builds the config of the ``family`` keyword (absent:
+    ``deepseek_v3``), so ``ModelConfig(**cfg.to_dict())`` round-trips and ``ModelConfig(q_lora_rank=...)`` is still
+    the DeepSeek-V3 config it was before there were families; a family's own class accepts its own ``family``.
+
+    Raises:
+        ConfigError: an unknown family, or another family than the class called.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        family = kwargs.pop("family", None)
+        if "family" in cls.__dict__:
+            if family is not None and family_class(family) is not cls:
+                raise ConfigError(f"model.family={family!r} where a {cls.__dict__['family'].value} model is expected")
+            return super().__call__(*args, **kwargs)
+        return type.__call__(family_class(DEFAULT_FAMILY if family is None else family), *args, **kwargs)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(metaclass=_ByFamily):
     """What every family's MoE transformer shares: embedding, pre-norm blocks of attention + (dense | MoE) FFN,
     routed experts with a router, optional shared experts, MTP modules, output head. Families subclass it.
 
