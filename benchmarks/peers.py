@@ -123,7 +123,7 @@ def hf_causal_lm(ckpt_dir: str | Path, impl: str, device: str):
 
 def hf_causal_lm_from_moetrain(src: nn.Module, cfg: ModelConfig, impl: str, device: str):
     """HF model with ``src``'s weights copied in memory (no checkpoint on disk: used on GPU, where the model is too
-    large to write and read back within the suite's time budget). Names follow moetrain.interop.deepseek's table; the
+    large to write and read back within the suite's time budget). Names follow moetrain.model.deepseek.adapter's table; the
     experts go to transformers v5's stacked layout (gate_up_proj = [w1; w3], down_proj = w2)."""
     from transformers import DeepseekV3ForCausalLM
     hcfg = hf_config(cfg, impl)
@@ -197,7 +197,7 @@ def titan_model_config(cfg: ModelConfig, sdpa: bool = True):
         moe_comm_backend="standard", non_blocking_capacity_factor=None,
         rope=ComplexRoPE.Config(dim=cfg.qk_rope_head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
                                 scaling="none"))
-    from moetrain.model.attention import LATENT_NORM_EPS
+    from moetrain.model.deepseek.attention import LATENT_NORM_EPS
     for lc in layers:
         if sdpa:
             lc.attention.inner_attention = ScaledDotProductAttention.Config()

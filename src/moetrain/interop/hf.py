@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of moetrain models: ``config.json`` <-> :class:`ModelConfig`, and safetensors
 checkpoints <-> a :class:`~moetrain.model.Transformer` (or a pipeline stage of one), for every model family with a
-state-dict adapter (:mod:`moetrain.interop.registry`; the DeepSeek-V3/V2 layout: :mod:`moetrain.interop.deepseek`).
+state-dict adapter (:mod:`moetrain.interop.registry`; the DeepSeek-V3/V2 layout: :mod:`moetrain.model.deepseek.adapter`).
 
 This module only orchestrates: the adapter names the tensors and translates the config, the file format lives in
 :mod:`moetrain.interop.safetensors_io` and :mod:`moetrain.interop.fp8_blocks`.
@@ -55,7 +55,7 @@ from moetrain.model.transformer import build_model
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from a Hugging Face ``config.json`` dict, through the adapter of its
     ``model_type`` (:func:`moetrain.interop.registry.adapter_for_hf_config`; DeepSeek-V3/V2:
-    :func:`moetrain.interop.deepseek.config_from_hf`).
+    :func:`moetrain.model.deepseek.adapter.config_from_hf`).
 
     Raises:
         ConfigError: an unsupported ``model_type`` (naming the supported ones), and whatever the adapter rejects.
@@ -65,7 +65,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """The HF ``config.json`` dict of ``cfg``, from the adapter of its family
-    (DeepSeek: :func:`moetrain.interop.deepseek.config_to_hf`). ``config_from_hf(config_to_hf(cfg)) == cfg``.
+    (DeepSeek: :func:`moetrain.model.deepseek.adapter.config_to_hf`). ``config_from_hf(config_to_hf(cfg)) == cfg``.
 
     Raises:
         ConfigError: ``cfg`` has no HF architecture that computes like it.
