@@ -70,6 +70,8 @@ def test_layout_has_one_meaning_of_dp_and_plan_builds_on_it():
     ({"parallel": {"dispatcher": "auto"}}, {"parallel": {}}),
     ({"train": {"fp8": "blockwise"}}, {"train": {}, "parallel": {"precision": "fp8"}}),
     ({"train": {"fp8": "mxfp8", "dtype": "auto"}}, {"train": {}, "parallel": {"precision": "mxfp8"}}),
+    # FP8 GEMMs with the rest in bf16 (the fp8-loss-gap acceptance script's spelling): the FP8 precision
+    ({"train": {"fp8": "blockwise", "dtype": "bf16"}}, {"train": {}, "parallel": {"precision": "fp8"}}),
     ({"train": {"fp8": "none", "dtype": "bf16"}}, {"train": {}, "parallel": {"precision": "bf16"}}),
     ({"train": {"dtype": "fp32"}}, {"train": {}, "parallel": {"precision": "fp32"}}),
     # a [parallel] section the older trainer saved (all its keys) counted dp per expert replica; a hand-written
@@ -105,7 +107,7 @@ def test_older_keys_that_cannot_mean_one_thing_are_refused():
     with pytest.raises(ConfigError, match="older name of parallel.dispatcher"):
         translate_aliases({"parallel": {"dispatcher": "flex", "dedup": False}})
     with pytest.raises(ConfigError, match="set only parallel.precision"):
-        translate_aliases({"train": {"fp8": "blockwise", "dtype": "bf16"}})
+        translate_aliases({"train": {"fp8": "blockwise", "dtype": "fp32"}})
     # a dp that fits only the older per-replica meaning is refused naming the new one
     with pytest.raises(ConfigError, match="now written parallel.dp=2"):
         load_job_config(None, ["parallel.dp=1", "parallel.ep=2"], world=2).parallel.resolve(2, 8)

@@ -224,7 +224,10 @@ def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str
     if SAVED_OLDER_PARALLEL_KEYS <= set(par) and par.get("dp"):
         par["dp"] = par["dp"] * par.get("ep", 1)
     fp8, dtype = out.get("train", {}).get("fp8"), out.get("train", {}).get("dtype")
-    if fp8 not in (None, "none") and dtype not in (None, "auto"):
+    # An FP8 recipe beside train.dtype=bf16 meant "FP8 GEMMs, the rest in bf16": what parallel.precision fp8 / mxfp8
+    # runs on a GPU (on a CPU the rest now runs in fp32), so older job files and scripts keep working. Beside fp32
+    # it has no equivalent (the FP8 precisions keep no fp32 step on a GPU) and is refused.
+    if fp8 not in (None, "none") and dtype not in (None, "auto", "bf16"):
         raise ConfigError(f"train.fp8={fp8!r} with train.dtype={dtype!r}: both are older names of parallel.precision, "
                           f"whose fp8 / mxfp8 run the rest of the step in bf16 on a GPU and fp32 on a CPU; set only "
                           f"parallel.precision")
@@ -246,7 +249,7 @@ def translate_aliases(sections: dict[str, dict[str, Any]]) -> dict[str, dict[str
             continue
         value = out[section].pop(key)
         if (section, key) == ("train", "dtype") and fp8 not in (None, "none"):
-            continue  # "auto" beside FP8 GEMMs (checked above): the precision is the FP8 one
+            continue  # "auto" or "bf16" beside FP8 GEMMs (checked above): the precision is the FP8 one
         if values is not None:
             if value not in values or isinstance(value, bool) != any(isinstance(v, bool) for v in values):
                 allowed = ", ".join(json.dumps(v) for v in values)
