@@ -83,3 +83,24 @@ def ok_values(results: list[tuple[str, Any]]) -> list[Any]:
     for status, value in results:
         assert status == "ok", value
     return [v for _, v in results]
+
+
+def assert_ranks_match(reference: dict[str, Any], ranks: list[dict[str, Any]], what: Any,
+                       series: tuple[str, ...] = ("losses",)) -> dict[str, list[torch.Tensor]]:
+    """Every rank's ``series`` (lists of floats, e.g. the step losses) within 1e-5 relative of the single-process
+    ``reference``'s, and every parameter any rank holds (``params``: name -> tensor, each name on one rank or more)
+    equal to the reference's, the union of the ranks' names being exactly the reference's. Returns every
+    parameter's copies over the ranks (name -> tensors), for checks of their own."""
+    for r in ranks:
+        for key in series:
+            for got, want in zip(r[key], reference[key]):
+                assert abs(got - want) <= 1e-5 * abs(want), (what, key, r[key], reference[key])
+    merged: dict[str, list[torch.Tensor]] = {}
+    for r in ranks:
+        for k, v in r["params"].items():
+            merged.setdefault(k, []).append(v)
+    assert merged.keys() == reference["params"].keys(), what
+    for name, want in reference["params"].items():
+        for got in merged[name]:
+            torch.testing.assert_close(got, want, msg=lambda m, n=name: f"{what} {n}: {m}")
+    return merged

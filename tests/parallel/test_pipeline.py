@@ -12,7 +12,7 @@ from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.pipeline import default_layout, local_stages, stage_specs
 from moetrain.parallel.schedules import bubble_formula
 
-from .harness import ok_values, run_ranks, run_single
+from .harness import assert_ranks_match, ok_values, run_ranks, run_single
 from .pipeline_workers import pipeline_train_run
 from .workers import tiny_test_config
 
@@ -24,18 +24,8 @@ def reference():
 
 
 def _check_against(reference, ranks, what):
-    for r in ranks:
-        assert len(r["losses"]) == 3
-        for got, want in zip(r["losses"], reference["losses"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (what, r["losses"], reference["losses"])
-    merged: dict[str, list[torch.Tensor]] = {}
-    for r in ranks:
-        for k, v in r["params"].items():
-            merged.setdefault(k, []).append(v)
-    assert merged.keys() == reference["params"].keys(), what
-    for name, want in reference["params"].items():
-        for got in merged[name]:
-            torch.testing.assert_close(got, want, msg=lambda m, n=name: f"{what} {n}: {m}")
+    assert all(len(r["losses"]) == 3 for r in ranks)
+    merged = assert_ranks_match(reference, ranks, what)
     biases = [n for n in reference["params"] if n.endswith("expert_bias")]
     assert biases and any(reference["params"][n].abs().sum() > 0 for n in biases), "biases never moved"
     for name in biases:

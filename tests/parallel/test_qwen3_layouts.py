@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .harness import ok_values, run_ranks, run_single
+from .harness import assert_ranks_match, ok_values, run_ranks, run_single
 from .qwen3_workers import qwen3_train_run
 
 pytestmark = pytest.mark.dist
@@ -20,17 +20,7 @@ def reference():
 
 def _check(reference, ranks, what):
     assert all(b > 0 for b in reference["balance"]), "no balance loss: the test would prove nothing about it"
-    for r in ranks:
-        for got, want in zip(r["losses"] + r["balance"], reference["losses"] + reference["balance"]):
-            assert abs(got - want) <= 1e-5 * abs(want), (what, r["losses"], reference["losses"])
-    merged: dict[str, list[torch.Tensor]] = {}
-    for r in ranks:
-        for k, v in r["params"].items():
-            merged.setdefault(k, []).append(v)
-    assert merged.keys() == reference["params"].keys(), what
-    for name, want in reference["params"].items():
-        for got in merged[name]:
-            torch.testing.assert_close(got, want, msg=lambda m, n=name: f"{what} {n}: {m}")
+    assert_ranks_match(reference, ranks, what, series=("losses", "balance"))
 
 
 @pytest.mark.parametrize("kw", [

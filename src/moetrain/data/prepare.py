@@ -156,6 +156,11 @@ def _tokenizer_key(cfg: DataConfig) -> tuple[Tokenizer | None, dict[str, Any]]:
     return None, {"kind": "bpe", "vocab_size": cfg.vocab_size, "max_chars": BPE_TRAIN_MAX_CHARS}
 
 
+def _cache_key(key_obj: dict) -> str:
+    """The cache folder's key: 16 hex digits of the SHA-256 of ``key_obj`` as canonical JSON (sorted keys)."""
+    return hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def _cache_root(cfg: DataConfig) -> Path:
     root = Path(os.path.expanduser(cfg.cache_dir)).absolute()
     try:
@@ -228,7 +233,7 @@ def prepare_data(cfg: DataConfig, progress: PrepProgress | None = None) -> Prepa
     given, tok_key = _tokenizer_key(cfg)
     key_obj = {"format": FORMAT_VERSION, "sources": sources, "text_field": cfg.text_field, "tokenizer": tok_key,
                "val_fraction": float(cfg.val_fraction), "seed": cfg.seed}
-    key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:16]
+    key = _cache_key(key_obj)
 
     root = _cache_root(cfg)
     d = root / f"data-{key}"
@@ -352,7 +357,7 @@ def _prepare_mixture(cfg: DataConfig, progress: PrepProgress, t0: float) -> Prep
     given, tok_key = _tokenizer_key(cfg)
     key_obj = {"format": FORMAT_VERSION, "mixture": [o.identity for o in opened], "tokenizer": tok_key,
                "val_fraction": float(cfg.val_fraction), "seed": cfg.seed}
-    key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:16]
+    key = _cache_key(key_obj)
     root = _cache_root(cfg)
     d = root / f"mix-{key}"
     with _flock(root / f"mix-{key}.lock", progress):

@@ -209,17 +209,38 @@ def _rank_log_sizes(job: JobConfig, nproc: int) -> dict[int, int]:
     return {r: (_rank_log(job, r).stat().st_size if _rank_log(job, r).is_file() else 0) for r in range(nproc)}
 
 
+def _first_failure(e: Any) -> tuple[int, Any, str]:
+    """(rank, failure record, its message stripped) of the worker that failed first in torch's ``ChildFailedError``
+    ``e``: the root cause fails first, the others follow it."""
+    rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+    msg = first.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", json.dumps(msg))
+    return rank, first, (msg or "").strip()
+
+
+def _local_launcher(nproc: int, entry: Any, signals_to_handle: str | None = None) -> Any:
+    """torch's elastic launcher of ``nproc`` local workers running ``entry`` (rendezvous on a free local port, no
+    restarts), with torch's own launcher logging silenced: the callers report a failure in one line.
+    ``signals_to_handle``: the signals the launcher turns into an exception (None: torch's default)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    extra = {} if signals_to_handle is None else {"signals_to_handle": signals_to_handle}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moetrain-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
+                          start_method="spawn", **extra)
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    return elastic_launch(config, entry)
+
+
 def _failure_message(e: Any, job: JobConfig, log_sizes: dict[int, int] | None = None) -> str:
     """One line for a failed worker: the first failure's own one-line message (rank, step, exception, where its
     traceback is) -- or how it died, with the phase its hang monitor reported stuck in this run (``log_sizes``: the
     rank logs' sizes when it started) -- and how to continue."""
     ckpt = latest_checkpoint(job.train.out_dir)
     hint = f"rerun with --resume to continue from {ckpt}" if ckpt else "no checkpoint was written"
-    rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)  # the root cause fails first
-    msg = first.message
-    if isinstance(msg, dict):
-        msg = msg.get("message", json.dumps(msg))
-    msg = (msg or "").strip()
+    rank, first, msg = _first_failure(e)
     if msg.startswith("WorkerFailure: "):
         reason = msg.removeprefix("WorkerFailure: ").splitlines()[0]
     elif first.exitcode < 0:
@@ -267,20 +288,15 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
     nproc = default_nproc(job)
     prep = preflight(job, nproc, dry_run)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # SIGINT/SIGTERM are moetrain's (moetrain.train.stopping): torch's launcher would turn them into an exception
     # and kill the workers mid-step
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moetrain-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn", signals_to_handle="SIGHUP,SIGQUIT")
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # failures are reported below, in one line
+    launch = _local_launcher(nproc, _worker, signals_to_handle="SIGHUP,SIGQUIT")
     clear_stop_file(job.train.out_dir)
     stop = StopRequest(out_dir=job.train.out_dir, on_second=_kill_workers).install()
     log_sizes = _rank_log_sizes(job, nproc)
     try:
-        results = elastic_launch(config, _worker)(job.to_dict(), dataclasses.asdict(prep), dry_run, False)
+        results = launch(job.to_dict(), dataclasses.asdict(prep), dry_run, False)
     except ChildFailedError as e:
         if stop.signum:  # interrupted before the workers could install their own handlers (start-up)
             raise KeyboardInterrupt from None
@@ -306,19 +322,12 @@ def launch_local(job: JobConfig, fn: Any, *args: Any) -> Any:
         ConfigError: more CUDA workers than GPUs. RuntimeError: a worker failed (its message, in one line).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nproc = job.train.nproc or default_nproc(job)
     check_gpus(job, nproc)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moetrain-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
-                          start_method="spawn")
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        return elastic_launch(config, _local_worker)(fn, nproc, *args)[0]
+        return _local_launcher(nproc, _local_worker)(fn, nproc, *args)[0]
     except ChildFailedError as e:
-        rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
-        msg = first.message.get("message", "") if isinstance(first.message, dict) else (first.message or "")
-        last = msg.strip().splitlines()[-1] if msg.strip() else f"exit code {first.exitcode}"
+        rank, first, msg = _first_failure(e)
+        last = msg.splitlines()[-1] if msg else f"exit code {first.exitcode}"
         raise RuntimeError(f"worker rank {rank} failed: {last}") from None
