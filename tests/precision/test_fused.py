@@ -83,3 +83,29 @@ def test_tiles_and_formats_are_constants_of_the_traced_code_and_only_rows_vary(m
                                                                                        torch.Tensor)]
     assert len(symbolic) == 1, [n.name for n in symbolic]  # the row count, nothing else
     assert "128" in last.code and "256" in last.code  # the tile and the static width are literals
+
+
+def test_inductor_compiles_the_quantisers_with_eager_division_and_subnormals(monkeypatch):
+    """Triton's fp32 division is approximate unless inductor is told otherwise, and about 0.5% of the quotients x / s
+    of bf16 data lie within one ulp of an E4M3 rounding midpoint (benchmarks/fp8_division_rounding.py): the
+    compiled quantisers must be built with eager's numerics, under option names this torch knows (an unknown one
+    makes torch.compile raise at the first call, which fused.py would turn into an eager fallback)."""
+    import torch._inductor.config as inductor_config
+
+    assert set(fused.INDUCTOR_OPTIONS) <= set(inductor_config.get_config_copy())
+    assert fused.INDUCTOR_OPTIONS == {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+    seen: list[dict | None] = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        seen.append(kw.get("options"))
+        return real(fn, **{**kw, "backend": "eager", "options": None})
+
+    fused._compiled.cache_clear()
+    monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr(fused, "compiles", lambda device: True)
+    x = torch.randn(256, 256, dtype=torch.bfloat16)
+    got, want = fused.quantise(x, (1, 128)), quantise(x, (1, 128))
+    assert _same(got.data, want.data) and torch.equal(got.scale, want.scale)
+    assert seen == [fused.INDUCTOR_OPTIONS]
+    fused._compiled.cache_clear()

@@ -4,9 +4,8 @@ Eager, one quantisation is about ten full passes over its operand (float copy, t
 cast, copy out); on a GPU that costs more than the FP8 GEMM saves. Compiled, inductor fuses it into a reduction
 and one pointwise pass (BENCHMARKS.md, "GPU (NVIDIA H200)"). The compiled
 functions are quant.py's own (:func:`~moetrain.precision.quant.quantise_tiles`,
-:func:`~moetrain.precision.quant.quantise_groups`), so a CPU run, which stays eager, computes the same values; the
-only difference is the GPU's fp32 division, which may round x / s one fp32 ulp differently and so, rarely, move an
-element to the neighbouring E4M3 value (well inside every tolerance here).
+:func:`~moetrain.precision.quant.quantise_groups`), compiled with eager's division rounding and subnormals
+(:data:`INDUCTOR_OPTIONS`), so they compute the same codes and scales as a CPU run, which stays eager.
 
 What is compiled, and what stays a constant: each call site (role) and each value of its non-tensor arguments (tile,
 scale format, group count, chunk, layout) gets its own compiled function, with those values as constants of the
@@ -36,6 +35,14 @@ from moetrain.precision.quant import Quantized, ScaleFormat, check_tile, quantis
 _COMPILE = os.environ.get("MOETRAIN_FP8_COMPILE", "1") != "0"
 #: torch.compile backend (tests/precision/test_fused.py uses "eager" to check tracing and recompiles on a CPU).
 BACKEND = "inductor"
+#: Inductor options of the compiled quantisers: eager's numerics. Triton lowers an fp32 ``x / s`` to the
+#: approximate ``div.full.f32`` (up to 2 ulp) and flushes subnormals unless told otherwise; either moves some x / s
+#: across an E4M3 rounding midpoint. Those midpoints are common here (0.6% of the quotients of bf16 randn data are
+#: exactly one, measured), so an approximate quotient changes 1e-4 to 1e-3 of the codes, and at small
+#: contraction sizes one changed code is several 1e-3 of max |dW| (``benchmarks/fp8_division_rounding.py``).
+#: With IEEE division and no flushing the compiled code computes quant.py's definitions bit for bit, at the cost of
+#: a few more instructions per element in kernels bound by memory.
+INDUCTOR_OPTIONS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
 _failed: list[str] = []
 
 
@@ -56,7 +63,8 @@ def _compiled(fn: Callable[..., Any], consts: tuple, layout: tuple, backend: str
         return fn(*tensors, *consts)
 
     own = types.FunctionType(call.__code__.replace(), call.__globals__, f"{fn.__name__}_fp8", None, call.__closure__)
-    return torch.compile(own, dynamic=False, backend=backend)
+    options = INDUCTOR_OPTIONS if backend == "inductor" else None
+    return torch.compile(own, dynamic=False, backend=backend, options=options)
 
 
 def _run(fn: Callable[..., Any], tensors: tuple[torch.Tensor, ...], consts: tuple, rows_dynamic: bool) -> Any:
