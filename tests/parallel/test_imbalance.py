@@ -153,13 +153,21 @@ def test_rows_per_rank_by_hand_on_the_per_assignment_path_and_under_ep_overlap(p
         assert all(c > 0 for layer in s["expert_s"][2:] for c in layer) and all(v >= 0 for v in s["lost_s"])
 
 
+@pytest.fixture(scope="module")
+def pp1_run():
+    return ok_values(run_ranks(2, imbalance_pipeline_run, {"ep": 2, "dp": 2}))
+
+
 @pytest.mark.dist
-def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path):
-    # The same weights and data at PP 1 x EP 2 and PP 2 x EP 2 (stage 0: MoE layer 0; stage 1: MoE 1, 2 and the
-    # MTP's 3): step 0 under learned routing, step 1 skewed. Every rank of the PP run reports every layer of the
-    # model, with the rows of the PP 1 run.
-    pp1 = ok_values(run_ranks(2, imbalance_pipeline_run, {"ep": 2, "dp": 2}))
-    pp2 = ok_values(run_ranks(4, imbalance_pipeline_run, {"pp": 2, "ep": 2, "dp": 2, "schedule": "1f1b"}))
+@pytest.mark.parametrize("schedule,pp_rank_M", [
+    ("1f1b", [0, 1, 1, 1]),  # stage 0: MoE layer 0; stage 1: MoE 1, 2 and the MTP's 3
+    ("dualpipev", [1, 1, 0, 0]),  # the V: rank 0 holds stages 0 (dense only) and 3 (MoE 2, MTP 3), rank 1 MoE 0, 1
+])
+def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, schedule, pp_rank_M):
+    # The same weights and data at PP 1 x EP 2 and PP 2 x EP 2: step 0 under learned routing, step 1 skewed. Every
+    # rank of the PP run reports every layer of the model, with the rows of the PP 1 run.
+    pp1 = pp1_run
+    pp2 = ok_values(run_ranks(4, imbalance_pipeline_run, {"pp": 2, "ep": 2, "dp": 2, "schedule": schedule}))
     assert [(r["pp_rank"], r["ep_rank"]) for r in pp2] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     ref = pp1[0]["steps"]
     tk = pp1[0]["tokens_per_step"] * pp1[0]["top_k"]
@@ -168,10 +176,11 @@ def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path):
     assert [sum(r) for r in ref[0]["rows"]] == [tk] * 4 and ref[0]["rows"] != hand  # learned: some other split
     for r in pp2:
         for s, s1 in zip(r["steps"], ref):
-            assert s["layers"] == [0, 1, 2, 3] and s["pp_rank_M"] == [0, 1, 1, 1]
+            assert s["layers"] == [0, 1, 2, 3] and s["pp_rank_M"] == pp_rank_M
             assert s["rows"] == s1["rows"] and s["loads"] == s1["loads"]
-            # the step's lost time: the pipeline rank that lost most (stage 1 holds layers 1-3)
-            assert s["totals"][0] == pytest.approx(max(s["lost_s"][0], sum(s["lost_s"][1:])))
+            # the step's lost time: that of the pipeline rank that lost most
+            per_rank = [sum(v for v, p in zip(s["lost_s"], pp_rank_M) if p == q) for q in (0, 1)]
+            assert s["totals"][0] == pytest.approx(max(per_rank))
         assert r["steps"] == pp2[0]["steps"]  # every rank holds the same figures
     # `moetrain plan --imbalance-from` reads the logged expert loads: complete under PP, so the same figure
     for name, run in (("pp1", pp1), ("pp2", pp2)):
