@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -61,3 +62,36 @@ def imbalance_train_run(pcfg_kwargs: dict, routing: str, steps: int = 3, expert_
                     "rows_step_ratio": imb.rows_step_max_over_mean(),
                     "lost_s": imb.lost_s()})
     return {"steps": out, "tokens_per_step": seqs * SEQ_LEN, "top_k": cfg.top_k, "ep_rank": ctx.ep_rank}
+
+
+def imbalance_pipeline_run(pcfg_kwargs: dict) -> dict[str, Any]:
+    """Two steps of the pipeline tests' job (``pipeline_workers.pipeline_job``: the same weights and data at every
+    layout) with the trainer's model parts: step 0 under learned routing, step 1 under the skewed routing of
+    :data:`SKEWED_EXPERTS` (no bias update). Returns each step's imbalance figures and expert loads on this rank."""
+    from moetrain.train.optim import build_optimizers
+    from moetrain.train.trainer import build_model_parts
+
+    from .pipeline_workers import ACCUM, GLOBAL_SEQS as PP_SEQS, batch, pipeline_job
+
+    job = pipeline_job(pcfg_kwargs)
+    ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
+    per = PP_SEQS // ctx.stage_size
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // ACCUM))
+    mp = build_model_parts(job, ctx, None)
+    opt = build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+    out: list[dict[str, Any]] = []
+    for step in range(2):
+        if step == 1:
+            with torch.no_grad():
+                for m, moe in mp.moe_layers():
+                    moe.gate.expert_bias.zero_()
+                    moe.gate.expert_bias[list(SKEWED_EXPERTS[m])] = 100.0
+        data = batch(step, job.model.vocab_size)[ctx.data_rank * per:(ctx.data_rank + 1) * per]
+        mbs = [(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(ACCUM)]
+        r = train_step(mp, opt, mbs, job.model, ctx, bias_update_rate=0.0)
+        imb = r.imbalance
+        out.append({"layers": imb.moe_layers, "rows": imb.rows_MR, "pp_rank_M": imb.pp_rank_M,
+                    "lost_s": imb.lost_s(), "totals": list(imb.step_totals()),
+                    "loads": r.tokens_per_expert_ME.tolist()})
+    return {"steps": out, "tokens_per_step": PP_SEQS * SEQ_LEN, "top_k": job.model.top_k, "pp_rank": ctx.pp_rank,
+            "ep_rank": ctx.ep_rank}

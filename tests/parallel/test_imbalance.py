@@ -5,17 +5,20 @@ step has synchronised."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from moetrain.model.moe import DispatchStats
 from moetrain.parallel import timing
 from moetrain.parallel.imbalance import ExpertTimer, ImbalanceStep
+from moetrain.plan.measured import imbalance_from_run
 from moetrain.train.metrics import ImbalanceWindow, StepMetrics
 
 from .fake_events import FakeApi
 from .harness import ok_values, run_ranks, run_single
-from .imbalance_workers import SKEWED_EXPERTS, imbalance_train_run
+from .imbalance_workers import SKEWED_EXPERTS, imbalance_pipeline_run, imbalance_train_run
 from .workers import GLOBAL_SEQS
 
 
@@ -36,6 +39,28 @@ def test_lost_time_per_layer_by_hand():
     none = ImbalanceStep([0, 1])
     assert none.rows_max_over_mean() == [1.0, 1.0] and none.lost_s() == [0.0, 0.0]
     assert none.rows_step_max_over_mean() == 1.0
+
+
+def test_under_pp_the_step_lost_what_the_pipeline_rank_that_lost_most_lost():
+    # pipeline rank 0 holds layer 0 (10 ms lost, as above), rank 1 layers 1 and 2: 5 ms, and 2 ms (compute 6 | 2 ms,
+    # mean 4, equal waits). The ranks run concurrently: the step lost rank 0's 10 ms, not the 17 ms of all layers.
+    kw = dict(rows_MR=[[30, 10], [8, 8], [6, 2]], expert_s_MR=[[0.030, 0.010], [0.010, 0.010], [0.006, 0.002]],
+              wait_s_MR=[[0.002, 0.020], [0.001, 0.006], [0.0, 0.0]])
+    pp = ImbalanceStep([0, 1, 2], pp_rank_M=[0, 1, 1], **kw)
+    one = ImbalanceStep([0, 1, 2], **kw)
+    assert pp.lost_s() == one.lost_s() == pytest.approx([0.010, 0.005, 0.002])
+    assert pp.step_totals() == pytest.approx((0.010, 0.010, 0.018))  # (lost, expert gap, wait caused) of rank 0
+    assert one.step_totals() == pytest.approx((0.017, 0.012, 0.023))  # PP 1: all layers
+    assert pp.rows_step_max_over_mean() == pytest.approx(1.5)  # rank 0: 30 | 10; rank 1: 14 | 10 -> 14 / 12
+    assert one.rows_step_max_over_mean() == pytest.approx(44 / 32)
+    w = ImbalanceWindow()
+    w.add(pp)
+    w.add(pp)
+    f = w.fields(n_steps=2, window_s=0.4)
+    assert f["imbalance_lost_ms"] == pytest.approx(10.0) and f["imbalance_lost_share"] == pytest.approx(0.05)
+    assert f["imbalance_lost_share_per_layer"] == pytest.approx([0.05, 0.025, 0.01])
+    assert f["imbalance_expert_ms"] == pytest.approx(10.0) and f["imbalance_combine_wait_ms"] == pytest.approx(18.0)
+    assert f["imbalance_moe_layers"] == [0, 1, 2] and f["ep_rows_per_rank"] == kw["rows_MR"]
 
 
 def test_metrics_window_gives_share_of_the_step_and_resets():
@@ -126,3 +151,42 @@ def test_rows_per_rank_by_hand_on_the_per_assignment_path_and_under_ep_overlap(p
         tk = r["tokens_per_step"] * r["top_k"]
         assert s["rows"] == [[tk, 0], [tk, 0], [3 * tk // 4, tk // 4], [3 * tk // 4, tk // 4]]
         assert all(c > 0 for layer in s["expert_s"][2:] for c in layer) and all(v >= 0 for v in s["lost_s"])
+
+
+@pytest.fixture(scope="module")
+def pp1_run():
+    return ok_values(run_ranks(2, imbalance_pipeline_run, {"ep": 2, "dp": 2}))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule,pp_rank_M", [
+    ("1f1b", [0, 1, 1, 1]),  # stage 0: MoE layer 0; stage 1: MoE 1, 2 and the MTP's 3
+    ("dualpipev", [1, 1, 0, 0]),  # the V: rank 0 holds stages 0 (dense only) and 3 (MoE 2, MTP 3), rank 1 MoE 0, 1
+])
+def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, schedule, pp_rank_M):
+    # The same weights and data at PP 1 x EP 2 and PP 2 x EP 2: step 0 under learned routing, step 1 skewed. Every
+    # rank of the PP run reports every layer of the model, with the rows of the PP 1 run.
+    pp1 = pp1_run
+    pp2 = ok_values(run_ranks(4, imbalance_pipeline_run, {"pp": 2, "ep": 2, "dp": 2, "schedule": schedule}))
+    assert [(r["pp_rank"], r["ep_rank"]) for r in pp2] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ref = pp1[0]["steps"]
+    tk = pp1[0]["tokens_per_step"] * pp1[0]["top_k"]
+    hand = [[sum(e < 8 for e in ex) * tk // 4, sum(e >= 8 for e in ex) * tk // 4] for ex in SKEWED_EXPERTS]
+    assert ref[1]["rows"] == hand and ref[0]["layers"] == [0, 1, 2, 3] and ref[0]["pp_rank_M"] == []
+    assert [sum(r) for r in ref[0]["rows"]] == [tk] * 4 and ref[0]["rows"] != hand  # learned: some other split
+    for r in pp2:
+        for s, s1 in zip(r["steps"], ref):
+            assert s["layers"] == [0, 1, 2, 3] and s["pp_rank_M"] == pp_rank_M
+            assert s["rows"] == s1["rows"] and s["loads"] == s1["loads"]
+            # the step's lost time: that of the pipeline rank that lost most
+            per_rank = [sum(v for v, p in zip(s["lost_s"], pp_rank_M) if p == q) for q in (0, 1)]
+            assert s["totals"][0] == pytest.approx(max(per_rank))
+        assert r["steps"] == pp2[0]["steps"]  # every rank holds the same figures
+    # `moetrain plan --imbalance-from` reads the logged expert loads: complete under PP, so the same figure
+    for name, run in (("pp1", pp1), ("pp2", pp2)):
+        d = tmp_path / name
+        d.mkdir()
+        records = [{"kind": "run", "step": 0, "ep": 2}]
+        records += [{"kind": "train", "step": i + 1, "expert_load": s["loads"]} for i, s in enumerate(run[0]["steps"])]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    assert imbalance_from_run(tmp_path / "pp2") == imbalance_from_run(tmp_path / "pp1") > 1.0

@@ -180,9 +180,9 @@ def test_plan_breakdown_legend_off_the_axes(rows):
 def test_imbalance_figure_plots_lost_share_per_layer(figs):
     ax = _ax(figs["imbalance.png"], "lost_share")
     lines = {ln.get_label(): ln for ln in ax.get_lines()}
-    assert set(lines) == {"layer 1", "layer 2", "MTP 1", "all layers"}
+    assert set(lines) == {"layer 1", "layer 2", "MTP 1", "step"}
     assert list(lines["layer 1"].get_xdata()) == STEPS
     assert np.allclose(lines["layer 1"].get_ydata(), [100 * 0.1 / (i + 1) for i in range(len(STEPS))])
-    assert np.allclose(lines["all layers"].get_ydata(), [100 * (0.1 / (i + 1) + 0.07) for i in range(len(STEPS))])
+    assert np.allclose(lines["step"].get_ydata(), [100 * (0.1 / (i + 1) + 0.07) for i in range(len(STEPS))])
     rows = {ln.get_label(): ln for ln in _ax(figs["imbalance.png"], "ep_rows").get_lines()}
     assert np.allclose(rows["MTP 1"].get_ydata(), [1.5] * len(STEPS))

@@ -31,6 +31,21 @@ Without overlap every rank gives about ``max c - mean c``: the hottest rank comp
 wait that much longer in the combine. The fast ranks' waits are measured rather than assumed: a combine that takes
 longer than the compute gap (the hot rank's link carries more rows) adds to it, and where overlapped work fills a
 fast rank's wait, the hot rank's own extra compute is what remains on the critical path.
+
+**Under pipeline parallelism** every stage measures its own MoE layers over its own EP group, as above; then one
+all-reduce over the PP group (each pipeline rank fills the slots of its layers, by global MoE index, in a buffer of
+4 x M_all x R zeros, the 4th row naming the pipeline rank that computed the layer) hands every rank the figures of
+every MoE layer of the model, read back together with the EP all-gather's. A PP run therefore reports the same
+layers, with the same rows for the same data and weights, as a PP 1 run of the model.
+
+The step's time lost (:meth:`ImbalanceStep.step_totals`) is the sum of ``lost_l`` over the layers of one pipeline
+rank -- all layers at PP 1 -- and under PP the largest such sum over the pipeline ranks. The pipeline ranks run
+concurrently and each runs its micro-batches through its own layers; with many micro-batches the pipeline advances
+at the pace of its slowest rank, so a step loses about what the rank that lost most lost (the same "slowest path"
+as the max over EP ranks above). Summing over all stages instead would count concurrent losses PP times: under a
+uniform imbalance it would report PP times the time actually lost. With few micro-batches the pipeline's fill and
+drain also carry part of the other ranks' losses, so the figure is a lower bound there (within a factor of about 2
+at as many micro-batches as stages). The per-layer figures stay per layer: under PP they need not sum to the step's.
 """
 
 from __future__ import annotations
@@ -130,12 +145,15 @@ class ImbalanceStep:
         rows_MR: rows each EP rank's experts computed, per layer ([M][R]; empty lists without EP).
         expert_s_MR: seconds each EP rank's experts computed, forward and backward, per layer.
         wait_s_MR: seconds each EP rank stood still in the layer's combine and dispatch-backward all-to-alls.
+        pp_rank_M: the pipeline rank that computed each layer (-1: none measured it); empty when one pipeline rank
+            computed them all (PP 1).
     """
 
     moe_layers: list[int]
     rows_MR: list[list[int]] = field(default_factory=list)
     expert_s_MR: list[list[float]] = field(default_factory=list)
     wait_s_MR: list[list[float]] = field(default_factory=list)
+    pp_rank_M: list[int] = field(default_factory=list)
 
     def rows_max_over_mean(self) -> list[float]:
         """max / mean rows per EP rank, per layer (1.0 = balanced, and where nothing was computed or without EP)."""
@@ -146,10 +164,22 @@ class ImbalanceStep:
         return out + [1.0] * (len(self.moe_layers) - len(out))
 
     def rows_step_max_over_mean(self) -> float:
-        """max / mean over the EP ranks of their rows summed over the layers (1.0 without EP or rows)."""
-        total_R = [sum(col) for col in zip(*self.rows_MR)]
-        mean = sum(total_R) / len(total_R) if total_R else 0.0
-        return max(total_R) / mean if mean > 0 else 1.0
+        """max / mean over the EP ranks of their rows summed over the layers (1.0 without EP or rows); under PP over
+        each pipeline rank's layers, and the largest over the pipeline ranks (each rank's devices are its EP group)."""
+        out = 1.0
+        for layers in self._by_pp_rank():
+            total_R = [sum(col) for col in zip(*(self.rows_MR[i] for i in layers if i < len(self.rows_MR)))]
+            mean = sum(total_R) / len(total_R) if total_R else 0.0
+            out = max(out, max(total_R) / mean) if mean > 0 else out
+        return out
+
+    def step_totals(self) -> tuple[float, float, float]:
+        """(seconds lost, expert gap seconds, combine wait seconds caused) of the step: :meth:`lost_s`,
+        :meth:`expert_gap_s` and :meth:`wait_caused_s` summed over the layers of the pipeline rank that lost most
+        (all layers at PP 1: module docstring)."""
+        lost, gap, wait = self.lost_s(), self.expert_gap_s(), self.wait_caused_s()
+        return max((sum(lost[i] for i in layers), sum(gap[i] for i in layers), sum(wait[i] for i in layers))
+                   for layers in self._by_pp_rank())
 
     def expert_gap_s(self) -> list[float]:
         """max - mean expert seconds over the EP ranks, per layer."""
@@ -170,34 +200,69 @@ class ImbalanceStep:
             out.append(max(0.0, max(ci - mean_c + wi - min_w for ci, wi in zip(c, w))))
         return out
 
+    def _by_pp_rank(self) -> list[list[int]]:
+        """Positions of the layers each pipeline rank computed (one group of all layers at PP 1)."""
+        if not self.pp_rank_M:
+            return [list(range(len(self.moe_layers)))]
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(self.pp_rank_M):
+            groups.setdefault(p, []).append(i)
+        return list(groups.values())
+
     def _padded(self, per_layer: list[list[float]]) -> list[list[float]]:
         return per_layer + [[] for _ in range(len(self.moe_layers) - len(per_layer))]
 
 
 def measure_imbalance(timers: list[tuple[int, ExpertTimer]], moe_layers: list[int], ep_group: Any,
-                      device: torch.device) -> ImbalanceStep:
+                      device: torch.device, pp_group: Any = None, n_moe: int = 0) -> ImbalanceStep:
     """Take every layer's rows, expert time and combine wait since the last call and gather them over the EP group:
-    one all-gather of 3 M float64 values (none without EP). Call once per step, after the step's end
-    synchronisation (device events are read here).
+    one all-gather of 3 M float64 values (none without EP); under PP then one all-reduce of 4 x n_moe x EP float64
+    values over the PP group, so that every rank holds the figures of every MoE layer of the model (module
+    docstring). Call once per step on every rank, after the step's end synchronisation (device events are read
+    here; the results are read back to the host once, after both collectives).
 
     Args:
         timers: (global MoE index, timer) of this rank's layers with an all-to-all dispatcher, the same layers on
-            every rank of the EP group (one pipeline stage). Empty without expert parallelism.
+            every rank of the EP group (one pipeline stage). Empty without expert parallelism, and on a pipeline
+            rank without MoE layers.
         moe_layers: the global MoE index of every MoE layer of this rank.
-        ep_group: the EP process group (None: a single process).
+        ep_group: the EP process group (None: a single process, or EP 1).
         device: where the collective's tensors live (the compute device).
+        pp_group: the PP process group (None: PP 1). Every pipeline rank must call, with or without MoE layers.
+        n_moe: with ``pp_group``, the MoE layers of the whole model (main and MTP; global indices 0..n_moe-1).
+
+    Returns:
+        At PP 1 this rank's layers; under PP every layer of the model, in global order, with ``pp_rank_M``.
 
     Raises:
-        CollectiveError: the all-gather failed or timed out.
+        CollectiveError: the all-gather or the all-reduce failed or timed out.
     """
-    if not timers or ep_group is None:
+    if ep_group is None:
         for _, t in timers:
             t.take()
-        return ImbalanceStep(moe_layers)
-    local_3M = torch.tensor([list(t.take()) for _, t in timers], dtype=torch.float64).t().contiguous()
+        return ImbalanceStep(list(range(n_moe)) if pp_group is not None else moe_layers)
     R = dist.get_world_size(ep_group)
-    with named_phase("imbalance telemetry all-gather (EP group)"):
-        parts = [torch.empty_like(local_3M, device=device) for _ in range(R)]
-        dist.all_gather(parts, local_3M.to(device), group=ep_group)
-        rows, expert_s, wait_s = torch.stack(parts, dim=-1).cpu().tolist()  # (3, M, R)
-    return ImbalanceStep([m for m, _ in timers], [[int(v) for v in r] for r in rows], expert_s, wait_s)
+    gathered_3MR = None
+    if timers:
+        local_3M = torch.tensor([list(t.take()) for _, t in timers], dtype=torch.float64).t().contiguous()
+        with named_phase("imbalance telemetry all-gather (EP group)"):
+            parts = [torch.empty_like(local_3M, device=device) for _ in range(R)]
+            dist.all_gather(parts, local_3M.to(device), group=ep_group)
+        gathered_3MR = torch.stack(parts, dim=-1)
+    if pp_group is None:
+        if gathered_3MR is None:
+            return ImbalanceStep(moe_layers)
+        with named_phase("imbalance telemetry all-gather (EP group)"):
+            rows, expert_s, wait_s = gathered_3MR.cpu().tolist()  # (3, M, R)
+        return ImbalanceStep([m for m, _ in timers], [[int(v) for v in r] for r in rows], expert_s, wait_s)
+    # Pipeline ranks hold disjoint layers: the sum of the zero-padded buffers is their concatenation in global order.
+    all_4MR = torch.zeros(4, n_moe, R, dtype=torch.float64, device=device)
+    if gathered_3MR is not None:
+        idx = torch.tensor([m for m, _ in timers], device=device)
+        all_4MR[:3, idx] = gathered_3MR
+        all_4MR[3, idx] = float(dist.get_rank(pp_group) + 1)
+    with named_phase("imbalance telemetry all-reduce (PP group)"):
+        dist.all_reduce(all_4MR, group=pp_group)
+        rows, expert_s, wait_s, owner = all_4MR.cpu().tolist()  # (4, n_moe, R)
+    return ImbalanceStep(list(range(n_moe)), [[int(v) for v in r] for r in rows], expert_s, wait_s,
+                         [int(o[0]) - 1 for o in owner])

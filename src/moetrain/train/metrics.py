@@ -124,12 +124,14 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("eta_s", "ETA", "estimated seconds to the last step at this run's pace (evaluation, checkpoints in)"),
     Metric("peak_mem_kind", "mem kind", "which memory peak_mem_gb is (MemoryKind)"),
     Metric("ep_rows_imbalance_max", "rows max/mean", "max / mean rows per EP rank (one row per token-expert "
-           "assignment its experts computed), the largest over this rank's MoE layers in the step"),
+           "assignment its experts computed), the largest over the MoE layers (of every stage) in the step"),
     Metric("ep_rows_imbalance", "rows max/mean per layer", "max / mean rows per EP rank, per MoE layer"),
-    Metric("ep_rows_imbalance_step", "rows max/mean step", "max / mean rows per EP rank, rows summed over layers"),
+    Metric("ep_rows_imbalance_step", "rows max/mean step", "max / mean rows per EP rank, rows summed over layers "
+           "(under PP over each pipeline rank's layers, the largest)"),
     Metric("ep_rows_per_rank", "rows per rank", "rows each EP rank's experts computed, [layer][EP rank]"),
     Metric("imbalance_lost_ms", "lost ms", "ms per step lost to expert-load imbalance (expert time against the mean "
-           "plus the combine wait it caused, measured, summed over this rank's MoE layers)"),
+           "plus the combine wait it caused, measured, summed over the MoE layers; under PP over the layers of the "
+           "pipeline rank that lost most)"),
     Metric("imbalance_lost_share", "lost", "share of the step time lost to expert-load imbalance"),
     Metric("imbalance_lost_share_per_layer", "lost per layer", "share of the step lost to imbalance, per MoE layer"),
     Metric("imbalance_expert_ms", "imb expert ms", "max - mean expert compute time over EP ranks, ms per step"),
@@ -383,11 +385,11 @@ class ImbalanceWindow:
 
     def __init__(self) -> None:
         self.lost_s_M: list[float] = []
-        self.expert_s = self.wait_s = 0.0
+        self.lost_s = self.expert_s = self.wait_s = 0.0
         self.last: ImbalanceStep | None = None
 
     def reset(self) -> None:
-        self.lost_s_M, self.expert_s, self.wait_s, self.last = [], 0.0, 0.0, None
+        self.lost_s_M, self.lost_s, self.expert_s, self.wait_s, self.last = [], 0.0, 0.0, 0.0, None
 
     def add(self, step: ImbalanceStep | None) -> None:
         if step is None:
@@ -396,8 +398,11 @@ class ImbalanceWindow:
         if len(lost) != len(self.lost_s_M):
             self.lost_s_M = [0.0] * len(lost)
         self.lost_s_M = [a + b for a, b in zip(self.lost_s_M, lost)]
-        self.expert_s += sum(step.expert_gap_s())
-        self.wait_s += sum(step.wait_caused_s())
+        # the step's totals: all layers at PP 1, the pipeline rank that lost most under PP
+        lost_s, expert_s, wait_s = step.step_totals()
+        self.lost_s += lost_s
+        self.expert_s += expert_s
+        self.wait_s += wait_s
         self.last = step
 
     def fields(self, n_steps: int, window_s: float) -> dict[str, Any]:
@@ -406,7 +411,7 @@ class ImbalanceWindow:
         if self.last is None:
             return {}
         rows = self.last.rows_max_over_mean()
-        lost = sum(self.lost_s_M)
+        lost = self.lost_s
         out = dict(ep_rows_imbalance_max=max(rows) if rows else 1.0, ep_rows_imbalance=rows,
                    ep_rows_imbalance_step=self.last.rows_step_max_over_mean(),
                    ep_rows_per_rank=self.last.rows_MR, imbalance_lost_ms=1e3 * lost / n_steps,

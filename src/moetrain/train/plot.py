@@ -8,7 +8,7 @@ Three figures (:func:`build_figures` returns them for inspection, :func:`plot_ru
   step (columns): 1.0 is perfect balance; the hottest expert of a layer sets its all-to-all and GEMM time.
 * ``expert_share.png`` -- one panel per MoE layer: each routed expert's share of the layer's routed tokens
   (tokens of the expert / tokens of the layer) at every logged step; the colour is centred on the uniform share 1/E.
-* ``imbalance.png`` -- the share of the step lost to expert-load imbalance per MoE layer (and their sum) over the
+* ``imbalance.png`` -- the share of the step lost to expert-load imbalance per MoE layer (and the step's) over the
   logged steps, and beside it max/mean rows per EP rank per layer (``moetrain.parallel.imbalance``); runs with
   expert parallelism only.
 
@@ -241,7 +241,8 @@ def build_figures(records: list[dict], title: str = "") -> dict[str, Any]:
 def imbalance_figure(records: list[dict]):
     """Share of the step lost to imbalance per MoE layer over steps (with the total), and max/mean rows per EP rank
     per layer; None when no train record carries them. Layers are named by their global MoE index
-    (``imbalance_moe_layers``: a pipeline stage logs its own layers)."""
+    (``imbalance_moe_layers``: every stage's layers under PP). The step's share is that of all layers at PP 1, of
+    the pipeline rank that lost most under PP (``moetrain.parallel.imbalance``)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -263,7 +264,7 @@ def imbalance_figure(records: list[dict]):
         ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker=".", label=label)
         ax_rows.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
     ax.plot([r["step"] for r in rows], [100 * r.get("imbalance_lost_share", math.nan) for r in rows], "k--",
-            label="all layers")
+            label="step")
     ax.set_xlabel("step")
     ax.set_ylabel("% of the step")
     ax.set_title("time lost to expert-load imbalance (expert time vs mean + combine wait)")

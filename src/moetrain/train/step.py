@@ -49,8 +49,9 @@ class StepResult:
     all micro-batches and ranks; n_tokens: loss tokens; dropped_tokens: token-expert assignments dropped by the
     capacity limit, summed over micro-batches and ranks; pipeline_s: seconds in the pipeline schedule and
     bubble_s: the part of them this rank spent not computing (waiting for and sending to neighbouring stages; 0
-    without pipelining); imbalance: rows, expert time and combine wait of this rank's MoE layers on every EP rank
-    of its group, and the time lost to their imbalance (``moetrain.parallel.imbalance``)."""
+    without pipelining); imbalance: rows, expert time and combine wait of the MoE layers on every EP rank (under PP
+    of every stage's layers, each over its own EP group), and the time lost to their imbalance
+    (``moetrain.parallel.imbalance``)."""
 
     loss: float
     lm_loss: float
@@ -205,7 +206,8 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
         moe.dispatcher.stats.settle()
     pipeline_s, bubble_s = model.runner.timing()
     timers = [(m, moe.dispatcher.expert_timer) for m, moe in layers if isinstance(moe.dispatcher, AllToAllDispatcher)]
-    imbalance = measure_imbalance(timers, [m for m, _ in layers], ctx.ep_group if ctx.pcfg.ep > 1 else None, device)
+    imbalance = measure_imbalance(timers, [m for m, _ in layers], ctx.ep_group if ctx.pcfg.ep > 1 else None, device,
+                                  ctx.pp_group if ctx.pcfg.pp > 1 else None, loads.shape[0])
     mtp_term, balance_term = cfg.mtp_loss_weight * mtp_v, cfg.balance_loss_alpha * bal_v
     return StepResult(loss=lm_v + mtp_term + balance_term, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v,
                       grad_norm=gnorm_v, tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]),
