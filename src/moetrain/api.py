@@ -137,8 +137,9 @@ def pretrain(job: JobConfig) -> TrainResult:
                        [(int(s), float(v)) for s, v in summary.get("val", [])], summary.get("stopped"), summary)
 
 
-def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -> EvalReport:
-    """Loss and perplexity of a run's checkpoint per source of ``data`` (files or globs) and over all: an
+def evaluate(run_dir: str | os.PathLike, data: list[str] | str | None = None, **kwargs: Any) -> EvalReport:
+    """Loss and perplexity of a run's checkpoint per source of ``data`` (source specs as training's ``--source``
+    takes them: files or globs, datasets folders, ``hub:NAME``; None: the run's own validation split) and over all: an
     :class:`~moetrain.train.evaluate.EvalReport` (``.sources``, ``.total``, ``.table()``, ``.to_dict()``). Keywords
     as :func:`moetrain.train.evaluate.evaluate_run` (``step``, ``device``, ``max_batches``, ``nproc``/``ep``/``pp``,
     ``text_field``).
@@ -146,7 +147,7 @@ def evaluate(run_dir: str | os.PathLike, data: list[str] | str, **kwargs: Any) -
     Raises:
         As :func:`moetrain.train.evaluate.evaluate_run`.
     """
-    return evaluate_run(run_dir, [data] if isinstance(data, str) else list(data), **kwargs)
+    return evaluate_run(run_dir, [data] if isinstance(data, str) else None if data is None else list(data), **kwargs)
 
 
 def sample(run_dir: str | os.PathLike, prompt: str, **kwargs: Any) -> str:

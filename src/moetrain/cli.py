@@ -323,12 +323,15 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def add_eval_sample_parsers(sub: Any) -> None:
     """The ``eval`` and ``sample`` subcommands."""
-    ev = sub.add_parser("eval", help="loss and perplexity of a run's checkpoint on held-out text, per source")
+    ev = sub.add_parser("eval", help="loss and perplexity of a run's checkpoint on held-out text (default: its own "
+                        "validation split), per source")
     ev.add_argument("run_dir", help="the run directory (moetrain train --out)")
-    ev.add_argument("--data", action="append", required=True, metavar="PATH", help="a held-out source: file or glob "
-                    "(.txt, .jsonl, .parquet), tokenised with the run's tokenizer; repeatable, one row each")
+    ev.add_argument("--data", action="append", metavar="SPEC", help="a held-out source, as train --source takes it: "
+                    "file or glob (.txt, .jsonl, .parquet), datasets folder, or hub:NAME (,split=, ,text_field=, "
+                    ",config=), tokenised with the run's tokenizer; repeatable, one row each (default: the run's own "
+                    "validation split, one row per source)")
     ev.add_argument("--step", type=int, help="the checkpoint step (default: the newest complete one)")
-    ev.add_argument("--text-field", metavar="NAME", help="the JSON-lines key / Parquet column holding the text "
+    ev.add_argument("--text-field", metavar="NAME", help="the JSON-lines key / column holding the text of --data "
                     "(default: the run's data.text_field)")
     ev.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: cuda if available")
     ev.add_argument("--micro-batch-size", type=int, metavar="N", help="sequences per forward (default: the run's)")

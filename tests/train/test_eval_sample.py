@@ -65,6 +65,17 @@ def test_the_one_process_model_gives_the_trainers_validation_loss(run):
     assert not torch.equal(init.layers[1].mlp.experts.w13_E2FD, model.layers[1].mlp.experts.w13_E2FD)
 
 
+def test_without_data_the_runs_own_validation_split_gives_the_logged_loss(run):
+    """No ``--data``: the run's validation file, read from the preparation its checkpoint records; its first
+    2 x EVAL_BATCHES x MBS windows are the ones the EP-2 trainer scored (rank r: windows r, r+2, ...)."""
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in logged if r.get("kind") == "val"}[2]
+    rep = evaluate_run(run, max_batches=2 * EVAL_BATCHES)
+    assert [s.name for s in rep.sources] == ["built-in corpus (validation)"]
+    assert rep.sources[0].tokens == 2 * EVAL_BATCHES * MBS * SEQ
+    assert math.isclose(rep.sources[0].loss, val, rel_tol=1e-5), (rep.sources[0], val)
+
+
 @pytest.mark.parametrize("layout", [{"ep": 2}, pytest.param({"pp": 2}, marks=pytest.mark.slow)], ids=["ep2", "pp2"])
 def test_one_process_and_a_parallel_layout_agree_per_source(run, sources, layout):
     one = evaluate_run(run, sources, max_batches=3)

@@ -15,11 +15,12 @@ Hugging Face ``datasets`` folders or hub-cache names, each with a weight) every 
 :func:`train_loader` draws from them by weight (:class:`MixtureLoader`).
 """
 
-from .config import DataConfig, DataSource, parse_source_spec
+from .config import DataConfig, DataSource, parse_source_spec, validate_source
 from .corpus import DataError, builtin_corpus_paths, check_sources, iter_documents, resolve_paths, source_kind
 from .loader import TokenLoader, count_windows, iter_eval_batches
 from .mixture import Loader, MixtureLoader, mixture_counts, mixture_report, mixture_schedule, train_loader
-from .prepare import PreparedData, PreparedSource, prepare_data
+from .prepare import PreparedData, PreparedSource, prepare_data, prepared_data
+from .sources import OpenSource, open_source
 from .shards import ShardInfo, doc_split, load_tokens, read_meta, token_dtype, write_shards
 from .tokenizer import EOS_CANDIDATES, Tokenizer, load_tokenizer, train_bpe
 
@@ -30,6 +31,7 @@ __all__ = [
     "EOS_CANDIDATES",
     "Loader",
     "MixtureLoader",
+    "OpenSource",
     "PreparedData",
     "PreparedSource",
     "ShardInfo",
@@ -46,13 +48,16 @@ __all__ = [
     "mixture_counts",
     "mixture_report",
     "mixture_schedule",
+    "open_source",
     "parse_source_spec",
     "prepare_data",
+    "prepared_data",
     "read_meta",
     "resolve_paths",
     "source_kind",
     "token_dtype",
     "train_bpe",
     "train_loader",
+    "validate_source",
     "write_shards",
 ]

@@ -217,15 +217,19 @@ class DataConfig:
                              "both given; put the paths in data.sources as one more source (--source GLOB), or "
                              "drop data.sources")
         for i, src in enumerate(self.sources):
-            _validate_source(src, f"data.sources[{i}]")
+            validate_source(src, f"data.sources[{i}]")
         if self.hf_cache_dir is not None and (not isinstance(self.hf_cache_dir, (str, os.PathLike))
                                               or not str(self.hf_cache_dir).strip()):
             raise bad("hf_cache_dir", "None (datasets' default cache) or a directory path")
         return self
 
 
-def _validate_source(src: DataSource, where: str) -> None:
-    """Raise a ValueError naming ``where`` and the field when ``src`` cannot describe a source."""
+def validate_source(src: DataSource, where: str) -> None:
+    """Check one source's fields (as :meth:`DataConfig.validate` checks each of ``data.sources``).
+
+    Raises:
+        ValueError: naming ``where`` (e.g. ``"data.sources[1]"`` or ``"--data"``) and the field.
+    """
     label = f"{where} ({src.label})" if (src.path or src.name) else where
 
     def nonempty(v: object) -> bool:

@@ -116,12 +116,14 @@ def _has_magic(s: str) -> bool:
     return any(c in s for c in "*?[")
 
 
-def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> list[Path]:
+def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike,
+                  option: str = "--data / --set data.paths=") -> list[Path]:
     """Expand files and glob patterns into a sorted, de-duplicated list of readable, supported files.
 
     Args:
         patterns: file paths and/or glob patterns (``*``, ``?``, ``[..]``, recursive ``**``); ``~`` is expanded;
             relative ones are relative to the working directory. A single string is accepted too.
+        option: how messages name the option that gave the paths (``moetrain eval``: ``--data``).
 
     Returns:
         absolute, symlink-resolved ``Path`` s, sorted and without duplicates (a file matched twice is kept once).
@@ -153,7 +155,7 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
                                 f"{os.getcwd()!r}); check the pattern, or use '**' to search subdirectories")
         else:
             raise DataError(f"data file {os.fspath(pat)!r} does not exist (looked for {os.path.abspath(s)!r}); "
-                            "check the path given to --data / --set data.paths=")
+                            f"check the path given to {option}")
         for f in files:
             found[Path(f).resolve()] = None
     paths = sorted(found)
@@ -163,7 +165,7 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike) -> 
                 fh.read(1)
         except OSError as e:
             raise DataError(f"data file {str(p)!r} cannot be read ({e.strerror or e}); fix its permissions "
-                            "(e.g. 'chmod a+r') or remove it from --data / --set data.paths=") from e
+                            f"(e.g. 'chmod a+r') or remove it from {option}") from e
         source_kind(p)
     if all(p.stat().st_size == 0 for p in paths):
         listed = ", ".join(repr(str(p)) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")

@@ -41,7 +41,7 @@ from .shards import FORMAT_VERSION, META_NAME, _atomic_write_text, load_tokens, 
 from .sources import OpenSource, open_sources
 from .tokenizer import Tokenizer, file_sha256, load_tokenizer, train_bpe
 
-__all__ = ["PreparedData", "PreparedSource", "prepare_data", "BPE_TRAIN_MAX_CHARS"]
+__all__ = ["PreparedData", "PreparedSource", "prepare_data", "prepared_data", "BPE_TRAIN_MAX_CHARS"]
 
 log = logging.getLogger("moetrain.data")
 
@@ -269,6 +269,28 @@ def prepare_data(cfg: DataConfig, progress: PrepProgress | None = None) -> Prepa
         progress.note(f"prepared {sp['train']['n_tokens']:,} training + {sp['val']['n_tokens']:,} validation "
                       f"tokens in {time.perf_counter() - t0:.1f} s")
         return _result(d, meta, reused=False)
+
+
+def prepared_data(cfg: DataConfig, folder: str) -> PreparedData:
+    """A finished preparation read back, nothing tokenised: ``cfg.cache_dir/folder``, the ``data-<key>`` or
+    ``mix-<key>`` folder a run's checkpoints record (``data_key``). For a mixture, ``cfg.sources`` (the run's)
+    label and weigh its :class:`PreparedSource` s.
+
+    Raises:
+        DataError: the folder is not there, incomplete, or a mixture of another number of sources.
+    """
+    root = Path(os.path.expanduser(cfg.cache_dir)).absolute()
+    kind, _, key = folder.partition("-")
+    d = root / folder
+    meta = _complete_mixture(d, key) if kind == "mix" else _complete(d, key)
+    if meta is None or kind not in ("data", "mix"):
+        raise DataError(f"the prepared data {folder} is not in data.cache_dir {str(root)!r} (or is incomplete)")
+    if kind == "data":
+        return _result(d, meta, reused=True)
+    if len(meta["mixture"]) != len(cfg.sources):
+        raise DataError(f"the prepared data {d} holds {len(meta['mixture'])} sources, data.sources "
+                        f"{len(cfg.sources)}")
+    return _mixture_result(d, meta, cfg, reused=True)
 
 
 # ------------------------------------------------------------------------------------------------------ mixtures

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 from .config import DataConfig, DataSource
 from .corpus import DataError, check_sources, iter_documents, resolve_paths
 
-__all__ = ["OpenSource", "open_sources"]
+__all__ = ["OpenSource", "open_source", "open_sources"]
 
 
 @dataclass
@@ -40,9 +40,9 @@ class OpenSource:
     documents: Callable[[], Iterator[str]]
 
 
-def _open_files(src: DataSource, text_field: str, where: str) -> OpenSource:
+def _open_files(src: DataSource, text_field: str, where: str, option: str) -> OpenSource:
     try:
-        paths = resolve_paths([src.path])
+        paths = resolve_paths([src.path], option)
         check_sources(paths, text_field)
     except DataError as e:
         raise DataError(f"{where}: {e}") from None
@@ -55,6 +55,38 @@ def _open_files(src: DataSource, text_field: str, where: str) -> OpenSource:
                       lambda: iter_documents(paths, text_field))
 
 
+def open_source(src: DataSource, text_field: str, hf_cache_dir: str | None, where: str,
+                option: str = "--source / data.sources") -> OpenSource:
+    """Open one source: a file or glob as ``data.paths`` reads it, a directory or hub ``name`` with ``datasets``.
+
+    Args:
+        text_field: its text key / column (the source's own, else the caller's default).
+        hf_cache_dir: the datasets cache of hub names (``data.hf_cache_dir``). where: how messages name the
+            source, e.g. ``"data.sources[1] (hub:wikitext)"`` or ``"--data web/*.jsonl"``. option: the option
+            a missing file's message tells the user to fix.
+
+    Returns:
+        the source with ``index`` 0 (:func:`open_sources` numbers them).
+
+    Raises:
+        DataError: a source that does not exist, matches nothing, cannot be read, or lacks its text column; the
+            message starts with ``where``.
+    """
+    if src.name is not None or Path(os.path.expanduser(str(src.path))).is_dir():
+        from .hf_datasets import open_hf_source
+
+        hf = open_hf_source(src, text_field, hf_cache_dir, where)
+
+        def documents() -> Iterator[str]:
+            try:
+                yield from hf.documents()
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+
+        return OpenSource(0, src.label, src.weight, hf.identity, hf.n_bytes, documents)
+    return _open_files(src, text_field, where, option)
+
+
 def open_sources(cfg: DataConfig) -> list[OpenSource]:
     """Open every entry of ``cfg.sources`` (files and globs here, directories and hub names with ``datasets``).
 
@@ -64,22 +96,8 @@ def open_sources(cfg: DataConfig) -> list[OpenSource]:
     """
     out = []
     for i, src in enumerate(cfg.sources):
-        where = f"data.sources[{i}] ({src.label})"
-        text_field = src.text_field or cfg.text_field
-        if src.name is not None or Path(os.path.expanduser(str(src.path))).is_dir():
-            from .hf_datasets import open_hf_source
-
-            hf = open_hf_source(src, text_field, cfg.hf_cache_dir, where)
-
-            def documents(hf=hf, where=where) -> Iterator[str]:
-                try:
-                    yield from hf.documents()
-                except DataError as e:
-                    raise DataError(f"{where}: {e}") from None
-
-            opened = OpenSource(i, src.label, src.weight, hf.identity, hf.n_bytes, documents)
-        else:
-            opened = _open_files(src, text_field, where)
-            opened.index = i
+        opened = open_source(src, src.text_field or cfg.text_field, cfg.hf_cache_dir,
+                             f"data.sources[{i}] ({src.label})")
+        opened.index = i
         out.append(opened)
     return out

@@ -1,11 +1,18 @@
-"""``moetrain eval RUN_DIR --data PATH ...``: next-token loss and perplexity of a run's checkpoint on held-out text,
-per source and token-weighted over all.
+"""``moetrain eval RUN_DIR [--data SPEC ...]``: next-token loss and perplexity of a run's checkpoint on held-out
+text, per source and token-weighted over all.
 
-Each ``--data`` is one source (a file or glob of .txt / .jsonl / .parquet). Its documents are tokenised with the run's
-tokenizer, each followed by the end-of-document token as in training, concatenated and cut into the run's
-``data.seq_len`` windows (:func:`moetrain.data.iter_eval_batches`' windows: the tail shorter than a window is not
-scored); the loss is the main model's mean cross-entropy over every scored token, the quantity the trainer's
-validation reports (no MTP, no balance term), and perplexity is exp(loss).
+Each ``--data`` is one source in the vocabulary of training's ``--source`` (:func:`moetrain.data.parse_source_spec`,
+opened by :func:`moetrain.data.open_source`): a file or glob of .txt / .jsonl / .parquet, a Hugging Face ``datasets``
+folder (``save_to_disk``, or Arrow/Parquet/JSON-lines files), or ``hub:NAME`` from the run's ``data.hf_cache_dir``,
+with ``,split=``, ``,config=``, ``,text_field=`` as training takes them (a ``weight`` is ignored). Its documents are
+tokenised with the run's tokenizer, each followed by the end-of-document token as in training, concatenated and cut
+into the run's ``data.seq_len`` windows (:func:`moetrain.data.iter_eval_batches`' windows: the tail shorter than a
+window is not scored); the loss is the main model's mean cross-entropy over every scored token, the quantity the
+trainer's validation reports (no MTP, no balance term), and perplexity is exp(loss).
+
+Without ``--data`` the run's own validation split is scored, read from the prepared data its checkpoint records
+(:func:`moetrain.data.prepared_data`): one row per source of a mixture (each source's held-out documents), one row for
+``data.paths`` / the built-in corpus.
 
 One process by default (the checkpoint read whole, :mod:`moetrain.train.load`); with ``nproc`` the same windows run on
 that many local workers at the EP / PP the user chooses, through the trainer's model parts and step runner (its
@@ -26,7 +33,8 @@ import numpy as np
 import torch
 
 from moetrain.config import JobConfig
-from moetrain.data import Tokenizer, count_windows, iter_documents, resolve_paths
+from moetrain.data import (Tokenizer, count_windows, load_tokens, open_source, parse_source_spec, prepared_data,
+                           validate_source)
 from moetrain.data.corpus import DataError
 from moetrain.errors import ConfigError
 from moetrain.layout import Precision, Schedule
@@ -89,18 +97,55 @@ class EvalReport:
         return "\n".join(lines)
 
 
-def source_tokens(source: str, tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
-    """The token stream of one source: every document's ids followed by the end-of-document id, in file order.
+def source_tokens(spec: str, tokenizer: Tokenizer, text_field: str = "text",
+                  hf_cache_dir: str | None = None) -> np.ndarray:
+    """The token stream of one ``--data`` source: every document's ids followed by the end-of-document id, in
+    source order.
+
+    Args:
+        spec: a source as training's ``--source`` takes it (see the module docstring).
+        text_field: the text key / column unless ``spec`` names its own. hf_cache_dir: where ``hub:`` names are read.
 
     Raises:
-        DataError: no file matches, or a file cannot be read (as the trainer's corpus reader says).
+        ConfigError: a malformed spec. DataError: a source that does not exist, matches nothing or cannot be read
+            (the message starts with ``--data SPEC``).
     """
-    paths = resolve_paths([source])
+    src = parse_source_spec(spec, "--data")
+    try:
+        validate_source(src, "--data")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    opened = open_source(src, src.text_field or text_field, hf_cache_dir, f"--data {spec}", "--data")
     ids: list[int] = []
-    for doc in iter_documents(paths, text_field):
+    for doc in opened.documents():
         ids.extend(tokenizer.encode(doc))
         ids.append(tokenizer.eos_id)
     return np.asarray(ids, dtype=np.int64)
+
+
+def run_validation(run: RunCheckpoint) -> list[tuple[str, np.ndarray]]:
+    """(row name, tokens) of the run's own validation split: each mixture source's held-out tokens, or the one
+    validation file of ``data.paths`` / the built-in corpus, read from the preparation the checkpoint records.
+
+    Raises:
+        DataError: the checkpoint records no prepared data, or it is no longer in the run's ``data.cache_dir``
+            (the message names ``--data``).
+    """
+    folder = run.data.get("data_key")
+    if not folder:
+        raise DataError(f"{run.path} records no validation data (written by an older moetrain); name held-out text "
+                        "with --data PATH_OR_DIR_OR_hub:NAME")
+    try:
+        prep = prepared_data(run.job.data, folder)
+    except DataError as e:
+        raise DataError(f"{e}: the run's validation split is read from the data.cache_dir it was trained with "
+                        "(relative to the directory it was trained in); run moetrain eval there, or name held-out "
+                        "text with --data PATH_OR_DIR_OR_hub:NAME") from None
+    if prep.sources:
+        return [(f"{s.label} (validation)", np.asarray(load_tokens(s.val_path), dtype=np.int64))
+                for s in prep.sources]
+    label = ", ".join(map(str, run.job.data.paths)) or "built-in corpus"
+    return [(f"{label} (validation)", np.asarray(load_tokens(prep.val_path), dtype=np.int64))]
 
 
 def rank_batches(tokens: np.ndarray, seq_len: int, micro_batch_size: int, rank: int = 0, size: int = 1,
@@ -139,36 +184,46 @@ def model_loss_sums(model: Transformer, batches: MicroBatches) -> tuple[float, i
     return ce, n
 
 
-def _sources(run: RunCheckpoint, data: list[str], text_field: str | None = None) -> list[np.ndarray]:
-    tok = run.tokenizer()
-    out = []
-    for src in data:
-        tokens = source_tokens(src, tok, text_field or run.job.data.text_field)
+def _sources(run: RunCheckpoint, data: list[str] | None, text_field: str | None) -> list[tuple[str, np.ndarray]]:
+    """(row name, tokens) of each source: the ``--data`` specs, else the run's validation split."""
+    if data:
+        tok = run.tokenizer()
+        named = [(src, source_tokens(src, tok, text_field or run.job.data.text_field, run.job.data.hf_cache_dir))
+                 for src in data]
+        fix = "give more text"
+    else:
+        if text_field is not None:
+            raise ConfigError("--text-field names the text of --data sources; the run's validation split is "
+                              "tokenised already: leave it out, or add --data")
+        named = run_validation(run)
+        fix = "evaluate on more text with --data"
+    for name, tokens in named:
         if count_windows(len(tokens), run.job.data.seq_len) < 1:
-            raise DataError(f"--data {src}: {len(tokens)} tokens, fewer than one {run.job.data.seq_len + 1}-token "
-                            f"window of the run's data.seq_len; give more text")
-        out.append(tokens)
-    return out
+            raise DataError(f"{'--data ' if data else ''}{name}: {len(tokens)} tokens, fewer than one "
+                            f"{run.job.data.seq_len + 1}-token window of the run's data.seq_len; {fix}")
+    return named
 
 
-def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None = None, device: str = "cpu",
-                 micro_batch_size: int | None = None, max_batches: int | None = None,
+def evaluate_run(run_dir: str | os.PathLike, data: list[str] | None = None, step: int | None = None,
+                 device: str = "cpu", micro_batch_size: int | None = None, max_batches: int | None = None,
                  nproc: int | None = None, ep: int | None = None, pp: int | None = None,
                  text_field: str | None = None) -> EvalReport:
     """Loss and perplexity of ``run_dir``'s newest checkpoint (or ``step``) on each source of ``data``.
 
     Args:
+        data: source specs as training's ``--source`` takes them (see the module docstring), one report row each;
+            None or empty: the run's own validation split, one row per source.
         micro_batch_size: sequences per forward (default: the run's ``train.micro_batch_size``).
         max_batches: score at most this many micro-batches per source (default: every full window).
         nproc, ep, pp: run on ``nproc`` local workers with that expert- and pipeline-parallel layout (the trainer's
             model parts and evaluation path); ``nproc`` defaults to ep x pp when either is given; all None: one
             process.
-        text_field: the JSON-lines key / Parquet column holding the text (default: the run's ``data.text_field``).
+        text_field: the JSON-lines key / column holding the text of ``data`` (default: the run's ``data.text_field``).
 
     Raises:
         CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
-        window. ConfigError: a layout that does not fit the model or the processes; ``max_batches`` or
-        ``micro_batch_size`` below 1.
+        window; no ``data`` and no recorded validation split. ConfigError: a malformed source spec; a layout that
+        does not fit the model or the processes; ``max_batches`` or ``micro_batch_size`` below 1.
     """
     # Checked before anything is read: 0 batches reported loss 0 and perplexity 1 over 0 tokens, and a micro-batch
     # size of 0 silently meant the run's.
@@ -179,7 +234,8 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
     run = open_run(run_dir, step)
     seq_len = run.job.data.seq_len
     mbs = micro_batch_size or run.job.train.micro_batch_size
-    tokens = _sources(run, data, text_field)
+    named = _sources(run, data, text_field)
+    tokens = [t for _, t in named]
     if nproc is None and (ep or pp):
         nproc = (ep or 1) * (pp or 1)
     if nproc is None:
@@ -192,7 +248,7 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str], step: int | None =
         sums = launch_local(job, _eval_worker, job.to_dict(), str(run.path), tokens, mbs, max_batches)
         layout = f"{nproc} processes, EP={job.parallel.ep} PP={job.parallel.pp} on {device}"
     report = EvalReport(str(run_dir), str(run.path), run.step, seq_len, layout)
-    report.sources = [SourceLoss(name, n, ce / max(n, 1)) for name, (ce, n) in zip(data, sums)]
+    report.sources = [SourceLoss(name, n, ce / max(n, 1)) for (name, _), (ce, n) in zip(named, sums)]
     return report
 
 

@@ -8,8 +8,9 @@ as the boxes the ranks held; :func:`moetrain.interop.dcp_read.read_boxes` reads 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,12 +32,15 @@ class RunCheckpoint:
         path: the ``checkpoints/step_<N>`` directory.
         step: optimizer steps done when it was written.
         job: the job the run trained (its model, ``data.seq_len``, tokenizer settings, layout).
+        data: what the checkpoint records of its prepared data (``data_key``: the cache folder, the tokenizer's
+            sha256; :func:`moetrain.train.resume.data_fingerprint`); empty when it records none.
     """
 
     run_dir: Path
     path: Path
     step: int
     job: JobConfig
+    data: dict[str, Any] = field(default_factory=dict)
 
     def tokenizer(self) -> Tokenizer:
         """The run's tokenizer (``run_dir/tokenizer.json``, written by the trainer), with the run's EOS token.
@@ -58,7 +62,8 @@ def open_run(run_dir: str | os.PathLike, step: int | None = None) -> RunCheckpoi
     if "job" not in state:
         raise CheckpointError(f"{path}/trainer_state.json has no job config (written by an older moetrain); resume "
                               f"the run for one step with --resume to write a checkpoint that has it")
-    return RunCheckpoint(Path(run_dir), path, int(state["step"]), job_config_from_dict(state["job"]))
+    return RunCheckpoint(Path(run_dir), path, int(state["step"]), job_config_from_dict(state["job"]),
+                         dict(state.get("data") or {}))
 
 
 def load_model_state(model: Transformer, ckpt: str | os.PathLike) -> None:
