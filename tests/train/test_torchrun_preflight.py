@@ -101,3 +101,70 @@ def test_every_checkpoint_damaged_ends_every_rank_with_rank_0s_error(trained, tm
     # nothing set aside when there is nothing to resume from, and no rank waited for a timeout
     assert sorted(c.name for c in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     assert took < 60, took
+
+
+# ------------------------------------------------------------------ rank0_decides on its own, on 2 gloo ranks
+def _decide(case: str) -> tuple[str, object]:
+    """rank0_decides in one of the cases below; (what this rank got or raised, what rank 0's fn saw)."""
+    import os
+    import torch.distributed as dist
+    from moetrain.errors import CheckpointError
+    from moetrain.train.rank0 import rank0_decides
+
+    dist.init_process_group("gloo")
+    calls = []
+
+    def fn():
+        calls.append(dist.get_rank())
+        if case == "checkpoint error":
+            raise CheckpointError("no checkpoint in out/checkpoints verifies (step_2: damaged)")
+        if case == "other error":
+            raise PermissionError("cannot move step_2")
+        if case == "dies":
+            os._exit(0)  # no result written, as a killed rank 0
+        if case == "stuck":
+            time.sleep(4)
+        return f"rank {dist.get_rank()} only", {"chosen": "step_00000001"}
+
+    try:
+        got = rank0_decides(fn, "checking the checkpoints", (CheckpointError,),
+                            timeout_s=1.5 if case == "stuck" else 60)
+        return f"ok {got}", calls
+    except Exception as e:  # noqa: BLE001 - the test compares them
+        return f"{type(e).__name__}: {e}", calls
+
+
+@pytest.mark.parametrize("case", ["ok", "checkpoint error", "other error"])
+def test_rank0_decides_runs_once_and_every_rank_gets_its_result_or_its_error(case):
+    from tests.parallel.harness import ok_values, run_ranks
+
+    (got0, calls0), (got1, calls1) = ok_values(run_ranks(2, _decide, case, timeout=120))
+    assert calls0 == [0] and calls1 == []  # fn ran on rank 0 alone
+    if case == "ok":
+        assert got0 == "ok ('rank 0 only', {'chosen': 'step_00000001'})"
+        assert got1 == "ok (None, {'chosen': 'step_00000001'})"
+    elif case == "checkpoint error":  # the same class and line on every rank
+        assert got0 == got1 == "CheckpointError: no checkpoint in out/checkpoints verifies (step_2: damaged)"
+    else:
+        assert got0 == "PermissionError: cannot move step_2"
+        assert got1 == ("RuntimeError: rank 0 failed checking the checkpoints: PermissionError: cannot move "
+                        "step_2")
+
+
+@pytest.mark.parametrize("case", ["dies", "stuck"])
+def test_rank0_decides_names_a_rank_0_that_died_or_is_stuck(case):
+    from tests.parallel.harness import run_ranks
+
+    t0 = time.monotonic()
+    results = run_ranks(2, _decide, case, timeout=60)
+    assert time.monotonic() - t0 < 30
+    status, (got1, _) = results[1]
+    assert status == "ok"
+    if case == "dies":
+        assert results[0] == ("error", "no result")  # os._exit: no result written
+        assert got1 == "RuntimeError: rank 1: rank 0 ended while checking the checkpoints, without a result; see " \
+                       "its output"
+    else:
+        assert got1.startswith("RuntimeError: rank 1 waited ") and got1.endswith(
+            " s for rank 0 checking the checkpoints (rank 0 alone does it for the job): rank 0 is stuck; see its "
+            "output"), got1
