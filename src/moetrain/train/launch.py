@@ -138,7 +138,7 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
 
     prep, name = rank0_decides(on_rank0, "checking the checkpoints and preparing the data",
                                (ConfigError, DataError, CheckpointError))
-    if prep is not None:
+    if prep is not None:  # rank 0
         return prep
     # Rank 0 moved the damaged checkpoints aside; the others read the same directory (DCP needs a file system that
     # every node shares: each rank reads the shards the metadata points it to), so the newest complete one it sees
