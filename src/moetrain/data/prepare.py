@@ -14,8 +14,9 @@ automatically (remove ``cache_dir`` to reclaim the space).
 
 Concurrency: the whole check-or-build runs under an exclusive ``fcntl.flock`` on ``data-<key>.lock``, so concurrent
 callers (several processes, or ranks on one host) build once and the others wait and then reuse the result. flock
-is per host and unreliable on some network file systems: on multi-host jobs prepare on one rank (the trainer does it
-on rank 0 before it launches its workers) or give every host its own ``cache_dir``.
+is per host and unreliable on some network file systems: on multi-host jobs prepare on one rank or give every host
+its own ``cache_dir``. ``moetrain train`` does: its launcher prepares before it starts the workers, and under torchrun
+global rank 0 prepares before the other ranks look (``moetrain.train.rank0``), who then reuse its result.
 """
 
 from __future__ import annotations

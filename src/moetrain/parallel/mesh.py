@@ -203,6 +203,23 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     pcfg = pcfg.resolve(world, n_routed_experts)
+    dev = join_process_group(pcfg.timeout_s, device)
+    if "RANK" not in os.environ:
+        return ParallelContext(0, 1, 0, dev, pcfg)
+    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.edp, pcfg.ep, pcfg.timeout_s)
+    return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
+
+
+def join_process_group(timeout_s: float, device: str | None = None) -> torch.device:
+    """This worker's device (on CUDA the GPU of its local rank, made current), after joining torchrun's default
+    process group with collective timeout ``timeout_s`` (seconds) unless joined already; without torchrun (no RANK)
+    no group is joined. Called by :func:`init_parallel`, and earlier by ``moetrain train``'s preflight, whose rank 0
+    checks the checkpoints for every rank.
+
+    Raises:
+        ConfigError: on CUDA, a local rank without a GPU of its own.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     # One GPU per local rank, with its index: NCCL's eager init refuses a device_id without one.
@@ -214,13 +231,10 @@ def init_parallel(pcfg: ParallelConfig, n_routed_experts: int, device: str | Non
                               f"visible on this machine; start at most {n_gpus} worker processes per machine "
                               f"(--nproc / torchrun --nproc-per-node)")
         torch.cuda.set_device(dev)
-    if "RANK" not in os.environ:
-        return ParallelContext(0, 1, 0, dev, pcfg)
-    if not dist.is_initialized():
-        dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=pcfg.timeout_s),
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
-    mesh, flat = build_mesh(dev.type, pcfg.pp, pcfg.edp, pcfg.ep, pcfg.timeout_s)
-    return ParallelContext(rank, world, local_rank, dev, pcfg, mesh, flat)
+    return dev
 
 
 def fake_parallel(pcfg: ParallelConfig, world: int, n_routed_experts: int) -> ParallelContext:

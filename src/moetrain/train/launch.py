@@ -20,22 +20,27 @@ import logging
 import os
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moetrain.config import JobConfig, job_config_from_dict
-from moetrain.data import prepare_data
+from moetrain.data import DataError, prepare_data
 from moetrain.data.prepare import PreparedData
+from moetrain.data.progress import PrepProgress
 from moetrain.interop.hf import check_hf_checkpoint
 from moetrain.model.config import ConfigError
 from moetrain.parallel import mesh
 from moetrain.parallel.hang import last_stall
+from moetrain.parallel.mesh import join_process_group, shutdown
 from moetrain.errors import CheckpointError
-from moetrain.train.checkpoint import has_checksums, latest_checkpoint, read_trainer_state, resume_checkpoint
+from moetrain.train.checkpoint import (checkpoint_dir, has_checksums, latest_checkpoint, read_trainer_state,
+                                       resume_checkpoint)
 from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
                                    check_schedule_unchanged)
+from moetrain.train.rank0 import rank0_decides
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -106,8 +111,13 @@ def check_memory(job: JobConfig, world_size: int, local_procs: int, dry_run: boo
                           f"N` shows a layout's memory without allocating it")
 
 
-def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> PreparedData:
+def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: bool = False) -> PreparedData:
     """All checks that need no worker, then data preparation (cached). Returns the prepared data.
+
+    ``torchrun``: this process is one of torchrun's workers, each of which runs the preflight. Global rank 0 alone
+    verifies the checkpoints' bytes, sets damaged ones aside, prints, and prepares the data first
+    (:func:`moetrain.train.rank0.rank0_decides`); the others wait, check that they see the checkpoint it chose, and
+    reuse its prepared data; an error of rank 0 is raised on every rank with the same message.
 
     Raises:
         ConfigError, DataError, CheckpointError: naming the problem and the fix.
@@ -118,26 +128,77 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
     local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     check_gpus(job, local_procs)
     check_memory(job, world_size, local_procs, dry_run)
+    if not torchrun:  # moetrain's own launcher: this process runs the preflight once for its workers
+        return _check_and_prepare(job, world_size, _choose_checkpoint(job), print)
+    join_process_group(job.parallel.timeout_s, resolve_device(job))
+
+    def on_rank0() -> tuple[PreparedData, str | None]:
+        ckpt = _choose_checkpoint(job)
+        return _check_and_prepare(job, world_size, ckpt, print), ckpt.name if ckpt else None
+
+    prep, name = rank0_decides(on_rank0, "checking the checkpoints and preparing the data",
+                               (ConfigError, DataError, CheckpointError))
+    if prep is not None:  # rank 0
+        return prep
+    # Rank 0 moved the damaged checkpoints aside; the others read the same directory (DCP needs a file system that
+    # every node shares: each rank reads the shards the metadata points it to), so the newest complete one it sees
+    # by sizes alone is the one rank 0 chose -- unless this node does not see rank 0's out_dir.
+    ckpt = checkpoint_dir(job.train.out_dir) / name if name else None
+    seen = (resume_checkpoint(job.train.out_dir, checksums=False)[0] if job.train.resume
+            else latest_checkpoint(job.train.out_dir))
+    if seen != ckpt:
+        raise CheckpointError(f"rank {os.environ['RANK']} sees {seen or 'no checkpoint'} where rank 0 chose "
+                              f"{ckpt or 'none'}: {job.train.out_dir} must be one directory on a file system that "
+                              f"every node shares (DCP reads the shards of every rank)")
+    return _check_and_prepare(job, world_size, ckpt, _quiet, PrepProgress(enabled=False))
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """``print`` of the torchrun ranks other than 0: rank 0 prints the preflight's lines once for the job."""
+
+
+def _choose_checkpoint(job: JobConfig) -> Path | None:
+    """The checkpoint a run resumes from: with ``train.resume``, the newest that verifies (every byte read against
+    its checksums), the newer ones that do not moved aside as ``damaged-step_<N>`` and named on stdout; without it,
+    the newest complete one (which :func:`_check_and_prepare` refuses to overwrite); None when there is none.
+
+    Raises:
+        CheckpointError: with ``train.resume``, checkpoints exist but none verifies (each with its reason).
+    """
     ckpt = latest_checkpoint(job.train.out_dir)
+    if not (job.train.resume and ckpt is not None):
+        return ckpt
+    ckpt, skipped = resume_checkpoint(job.train.out_dir)
+    for bad, why in skipped:
+        if ckpt is not None:  # set aside, not deleted: rotation would otherwise keep it over the good ones
+            kept, n = bad.with_name(f"damaged-{bad.name}"), 1
+            while kept.exists():  # the same step damaged before: keep both
+                kept, n = bad.with_name(f"damaged-{bad.name}.{n}"), n + 1
+            os.replace(bad, kept)
+            print(f"[moetrain] skipping checkpoint {bad.name}: {why}; moved to {kept.name}")
+        else:
+            print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
+    if ckpt is None:
+        why = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
+        raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies ({why}); delete the "
+                              f"damaged ones to start over, or choose a new --out")
+    return ckpt
+
+
+def _check_and_prepare(job: JobConfig, world_size: int, ckpt: Path | None, say: Callable[[str], None],
+                       progress: PrepProgress | None = None) -> PreparedData:
+    """The preflight's checks of the chosen checkpoint ``ckpt`` (see :func:`_choose_checkpoint`) against the job, of
+    ``train.init_from``, then data preparation (``progress``: its reporter, None for the default) and the checks of
+    the data. ``say`` prints the notes. Returns the prepared data.
+
+    Raises:
+        ConfigError, DataError, CheckpointError: naming the problem and the fix.
+    """
     state = None
     if job.train.resume and ckpt is not None:
-        ckpt, skipped = resume_checkpoint(job.train.out_dir)
-        for bad, why in skipped:
-            if ckpt is not None:  # set aside, not deleted: rotation would otherwise keep it over the good ones
-                kept, n = bad.with_name(f"damaged-{bad.name}"), 1
-                while kept.exists():  # the same step damaged before: keep both
-                    kept, n = bad.with_name(f"damaged-{bad.name}.{n}"), n + 1
-                os.replace(bad, kept)
-                print(f"[moetrain] skipping checkpoint {bad.name}: {why}; moved to {kept.name}")
-            else:
-                print(f"[moetrain] skipping checkpoint {bad.name}: {why}")
-        if ckpt is None:
-            why = "; ".join(f"{bad.name}: {reason}" for bad, reason in skipped)
-            raise CheckpointError(f"no checkpoint in {job.train.out_dir}/checkpoints verifies ({why}); delete the "
-                                  f"damaged ones to start over, or choose a new --out")
         if not has_checksums(ckpt):
-            print(f"[moetrain] checkpoint {ckpt.name} has no checksums (written by an earlier moetrain): verified by "
-                  f"file sizes only")
+            say(f"[moetrain] checkpoint {ckpt.name} has no checksums (written by an earlier moetrain): verified by "
+                f"file sizes only")
         state = read_trainer_state(ckpt)
         if job.data.tokenizer:
             check_same_tokenizer_file(ckpt, state, job)  # first: another tokenizer also changes the vocabulary
@@ -155,12 +216,12 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
         # names and shapes, from the file headers only
         res = check_hf_checkpoint(job.model, job.train.init_from, mtp_optional=True)
         if res.mtp_missing:
-            print(f"[moetrain] note: {job.train.init_from} has no MTP weights (transformers saves DeepseekV3 "
-                  f"without them); the {job.model.mtp_depth} MTP module(s) start from the usual initialisation")
+            say(f"[moetrain] note: {job.train.init_from} has no MTP weights (transformers saves DeepseekV3 "
+                f"without them); the {job.model.mtp_depth} MTP module(s) start from the usual initialisation")
     if not job.train.resume and ckpt is not None:
         raise ConfigError(f"{job.train.out_dir} already holds checkpoints (newest {ckpt.name}); pass --resume to "
                           f"continue that run, or choose a new --out")
-    prep = prepare_data(job.data)
+    prep = prepare_data(job.data, progress)
     if state is not None:
         check_same_data(ckpt, state, prep, job)
         check_same_stream(ckpt, state, prep, job)
@@ -176,8 +237,8 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False) -> Prepare
             raise ConfigError(f"the {split} split has {n} tokens, fewer than one {job.data.seq_len + 1}-token window "
                               f"per rank ({world_size} ranks); add data or lower data.seq_len")
     if prep.n_train_tokens < need:
-        print(f"[moetrain] note: {prep.n_train_tokens} training tokens < one global batch ({need}); the data "
-              f"will repeat within a step")
+        say(f"[moetrain] note: {prep.n_train_tokens} training tokens < one global batch ({need}); the data "
+            f"will repeat within a step")
     return prep
 
 
@@ -282,7 +343,11 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
         return dry_run_world(job, world, plan, gpu)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
-        prep = preflight(job, world, dry_run)
+        try:
+            prep = preflight(job, world, dry_run, torchrun=True)
+        except BaseException:
+            shutdown()  # the process group preflight joined; the worker's run() ends it otherwise
+            raise
         summary = _worker(job.to_dict(), dataclasses.asdict(prep), dry_run)
         return summary if int(os.environ["RANK"]) == 0 else None
     nproc = default_nproc(job)

@@ -1,0 +1,73 @@
+"""One process per torchrun job does what must happen once -- verify the checkpoints' bytes, set damaged ones
+aside, prepare the data -- and every other rank takes its result, or fails with its error.
+
+Under torchrun every worker runs ``moetrain train``'s preflight (there is no launcher process to run it once, as the
+local launcher does). N workers verifying every byte would read the checkpoints N times, and N workers moving a
+damaged checkpoint aside race: one renames a directory another is reading. :func:`rank0_decides` runs the work on
+global rank 0 only and broadcasts the outcome over a gloo group of its own, whose timeout is not the collectives'
+(``parallel.timeout_s``): verifying hundreds of GB or tokenising a corpus takes far longer than one collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+#: How long the other ranks wait for rank 0 (seconds). A rank 0 that fails sends its error, and one that dies ends
+#: the job through torchrun (or closes the connection): this bounds only a rank 0 that is stuck.
+RANK0_TIMEOUT_S = 6 * 3600.0
+
+
+def rank0_decides(fn: Callable[[], tuple[T, Any]], what: str, passed_on: tuple[type[Exception], ...],
+                  timeout_s: float = RANK0_TIMEOUT_S) -> tuple[T | None, Any]:
+    """Run ``fn`` on global rank 0 of the (joined) default process group while the other ranks wait.
+    ``fn()`` returns (a value for rank 0 only, a picklable value for every rank). Returns, on rank 0, what ``fn``
+    returned; on the other ranks (None, the value for every rank).
+
+    ``what`` names the work in the messages ("checking the checkpoints"). An exception of ``fn`` is raised on rank 0
+    and sent to the others: one of the ``passed_on`` classes is raised there again with the same message (the CLI
+    prints it as one line on every rank), any other as a RuntimeError naming its type.
+
+    Raises:
+        whatever ``fn`` raises (rank 0), its ``passed_on`` class or RuntimeError (other ranks); RuntimeError on the
+        other ranks when rank 0 ended without an answer or sent none within ``timeout_s`` seconds.
+    """
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                mine, everyone = fn()
+            except Exception as e:
+                known = type(e) if type(e) in passed_on else None
+                box[0] = ("error", known.__name__ if known else None,
+                          str(e) if known else f"rank 0 failed {what}: {type(e).__name__}: {e}")
+                dist.broadcast_object_list(box, src=0, group=group)
+                raise
+            box[0] = ("ok", everyone)
+            dist.broadcast_object_list(box, src=0, group=group)
+            return mine, everyone
+        t0 = time.monotonic()
+        try:
+            dist.broadcast_object_list(box, src=0, group=group)
+        except RuntimeError:
+            waited = time.monotonic() - t0
+            if waited >= 0.9 * timeout_s:
+                raise RuntimeError(f"rank {dist.get_rank()} waited {waited:.0f} s for rank 0 {what} (rank 0 alone "
+                                   f"does it for the job): rank 0 is stuck; see its output") from None
+            raise RuntimeError(f"rank {dist.get_rank()}: rank 0 ended while {what}, without a result; see its "
+                               f"output") from None
+        status, *rest = box[0]
+        if status == "ok":
+            return None, rest[0]
+        name, msg = rest
+        cls = next((c for c in passed_on if c.__name__ == name), RuntimeError)
+        raise cls(msg)
+    finally:
+        dist.destroy_process_group(group)
