@@ -11,6 +11,7 @@ import torch
 from moetrain.model.transformer import build_model
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import init_parallel
+from moetrain.train.metrics import a2a_fields
 from moetrain.train.optim import build_optimizer
 from moetrain.train.runners import single_stage_parts
 from moetrain.train.step import train_step
@@ -67,7 +68,9 @@ def imbalance_train_run(pcfg_kwargs: dict, routing: str, steps: int = 3, expert_
 def imbalance_pipeline_run(pcfg_kwargs: dict) -> dict[str, Any]:
     """Two steps of the pipeline tests' job (``pipeline_workers.pipeline_job``: the same weights and data at every
     layout) with the trainer's model parts: step 0 under learned routing, step 1 under the skewed routing of
-    :data:`SKEWED_EXPERTS` (no bias update). Returns each step's imbalance figures and expert loads on this rank."""
+    :data:`SKEWED_EXPERTS` (no bias update). Returns each step's imbalance figures, expert loads and all-to-all figures
+    (accumulated since the start: nothing resets the dispatchers' timers here) with their metrics fields on this
+    rank."""
     from moetrain.train.optim import build_optimizers
     from moetrain.train.trainer import build_model_parts
 
@@ -90,8 +93,13 @@ def imbalance_pipeline_run(pcfg_kwargs: dict) -> dict[str, Any]:
         mbs = [(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(ACCUM)]
         r = train_step(mp, opt, mbs, job.model, ctx, bias_update_rate=0.0)
         imb = r.imbalance
+        a2a = r.a2a
         out.append({"layers": imb.moe_layers, "rows": imb.rows_MR, "pp_rank_M": imb.pp_rank_M,
                     "lost_s": imb.lost_s(), "totals": list(imb.step_totals()),
-                    "loads": r.tokens_per_expert_ME.tolist()})
+                    "loads": r.tokens_per_expert_ME.tolist(),
+                    "a2a": {"layers": a2a.moe_layers, "a2a_s": a2a.a2a_s_M, "exposed_s": a2a.exposed_s_M,
+                            "phases": [sorted(p) for p in a2a.by_phase_M], "bytes": a2a.bytes_M,
+                            "remote_bytes": a2a.remote_bytes_M, "pp_rank_M": a2a.pp_rank_M,
+                            "totals": list(a2a.step_totals()), "fields": a2a_fields(a2a, 1, 1.0)}})
     return {"steps": out, "tokens_per_step": PP_SEQS * SEQ_LEN, "top_k": job.model.top_k, "pp_rank": ctx.pp_rank,
             "ep_rank": ctx.ep_rank}

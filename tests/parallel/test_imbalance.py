@@ -158,16 +158,33 @@ def pp1_run():
     return ok_values(run_ranks(2, imbalance_pipeline_run, {"ep": 2, "dp": 2}))
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("schedule,pp_rank_M", [
+@pytest.fixture(scope="module")
+def pp2_runs():
+    """The PP 2 x EP 2 run of a schedule, run once for the tests of this module that read it."""
+    runs: dict[str, list] = {}
+
+    def run(schedule: str) -> list:
+        if schedule not in runs:
+            runs[schedule] = ok_values(run_ranks(4, imbalance_pipeline_run,
+                                                 {"pp": 2, "ep": 2, "dp": 2, "schedule": schedule}))
+        return runs[schedule]
+    return run
+
+
+#: The schedules of the PP 2 x EP 2 tests and the pipeline rank of each MoE layer under them.
+PP2_SCHEDULES = [
     ("1f1b", [0, 1, 1, 1]),  # stage 0: MoE layer 0; stage 1: MoE 1, 2 and the MTP's 3
     ("dualpipev", [1, 1, 0, 0]),  # the V: rank 0 holds stages 0 (dense only) and 3 (MoE 2, MTP 3), rank 1 MoE 0, 1
-])
-def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, schedule, pp_rank_M):
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule,pp_rank_M", PP2_SCHEDULES)
+def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, pp2_runs, schedule, pp_rank_M):
     # The same weights and data at PP 1 x EP 2 and PP 2 x EP 2: step 0 under learned routing, step 1 skewed. Every
     # rank of the PP run reports every layer of the model, with the rows of the PP 1 run.
     pp1 = pp1_run
-    pp2 = ok_values(run_ranks(4, imbalance_pipeline_run, {"pp": 2, "ep": 2, "dp": 2, "schedule": schedule}))
+    pp2 = pp2_runs(schedule)
     assert [(r["pp_rank"], r["ep_rank"]) for r in pp2] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     ref = pp1[0]["steps"]
     tk = pp1[0]["tokens_per_step"] * pp1[0]["top_k"]
@@ -181,7 +198,9 @@ def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, schedu
             # the step's lost time: that of the pipeline rank that lost most
             per_rank = [sum(v for v, p in zip(s["lost_s"], pp_rank_M) if p == q) for q in (0, 1)]
             assert s["totals"][0] == pytest.approx(max(per_rank))
-        assert r["steps"] == pp2[0]["steps"]  # every rank holds the same figures
+        # every rank holds the same imbalance figures (the all-to-all figures are each rank's own: another test)
+        assert [{k: v for k, v in s.items() if k != "a2a"} for s in r["steps"]] == \
+            [{k: v for k, v in s.items() if k != "a2a"} for s in pp2[0]["steps"]]
     # `moetrain plan --imbalance-from` reads the logged expert loads: complete under PP, so the same figure
     for name, run in (("pp1", pp1), ("pp2", pp2)):
         d = tmp_path / name
@@ -190,3 +209,53 @@ def test_pp2_reports_every_stage_layers_as_the_pp1_run(tmp_path, pp1_run, schedu
         records += [{"kind": "train", "step": i + 1, "expert_load": s["loads"]} for i, s in enumerate(run[0]["steps"])]
         (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
     assert imbalance_from_run(tmp_path / "pp2") == imbalance_from_run(tmp_path / "pp1") > 1.0
+
+
+PHASES = ["combine", "combine backward", "counts", "dispatch", "dispatch backward"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule,pp_rank_M", PP2_SCHEDULES)
+def test_pp2_a2a_metrics_cover_every_stage_layer_with_the_pp1_run_bytes(pp1_run, pp2_runs, schedule, pp_rank_M):
+    # The all-to-all figures of a rank are its own dispatchers' and, under PP, those of its pipeline's ranks (the
+    # same EP rank in the other stage): the PP 1 rank with that EP rank sent the same rows, so the same bytes.
+    pp2 = pp2_runs(schedule)
+    for r in pp2:
+        peer = next(p for p in pp2 if p["ep_rank"] == r["ep_rank"] and p["pp_rank"] != r["pp_rank"])
+        ref = next(p for p in pp1_run if p["ep_rank"] == r["ep_rank"])
+        for s, s_peer, s1 in zip(r["steps"], peer["steps"], ref["steps"], strict=True):
+            a, a1 = s["a2a"], s1["a2a"]
+            assert a1["layers"] == [0, 1, 2, 3] and a1["pp_rank_M"] == []
+            assert a["layers"] == [0, 1, 2, 3] and a["pp_rank_M"] == pp_rank_M
+            assert a == s_peer["a2a"]  # one all-reduce: the pipeline's ranks hold the same figures
+            assert a["bytes"] == a1["bytes"] and a["remote_bytes"] == a1["remote_bytes"]
+            assert all(b > rb > 0 for b, rb in zip(a["bytes"], a["remote_bytes"]))
+            assert a["phases"] == a1["phases"] == [PHASES] * 4
+            f = a["fields"]  # the metrics record's fields (one step, one second)
+            assert len(f["a2a_s_per_layer"]) == len(f["a2a_exposed_s_per_layer"]) == 4
+            assert all(v > 0 for v in f["a2a_s_per_layer"]) and len(f["a2a_s_per_layer_phase"]) == 4
+            assert f["dispatch_bytes_per_step"] == sum(a1["bytes"]) == a1["fields"]["dispatch_bytes_per_step"]
+            assert f["dispatch_remote_bytes_per_step"] == sum(a1["remote_bytes"])
+            # the step's seconds: the pipeline rank with the most exposed seconds, not the sum over the stages
+            per_rank = [(sum(e for e, p in zip(a["exposed_s"], pp_rank_M) if p == q),
+                         sum(t for t, p in zip(a["a2a_s"], pp_rank_M) if p == q)) for q in (0, 1)]
+            exposed, total = max(per_rank)
+            assert a["totals"] == pytest.approx([total, exposed]) and total < sum(a["a2a_s"])
+            assert f["a2a_s_per_step"] == pytest.approx(total) and f["a2a_exposed_s_per_step"] == pytest.approx(exposed)
+
+
+@pytest.mark.dist
+def test_pp2_without_ep_a2a_metrics_of_the_one_rank_all_to_all_cover_every_stage_layer():
+    # EP 1 with the all-to-all dispatcher (a one-GPU machine's path): no imbalance to gather, but all-to-all figures
+    # under PP still come from every stage, the same bytes as the PP 1 run's
+    pp1 = ok_values(run_ranks(1, imbalance_pipeline_run, {"dispatcher": "alltoall"}))
+    pp2 = ok_values(run_ranks(2, imbalance_pipeline_run, {"pp": 2, "dispatcher": "alltoall"}))
+    for r in pp2:
+        for s, s1 in zip(r["steps"], pp1[0]["steps"], strict=True):
+            a, a1 = s["a2a"], s1["a2a"]
+            assert a["layers"] == a1["layers"] == [0, 1, 2, 3] and a["pp_rank_M"] == [0, 1, 1, 1]
+            assert a["bytes"] == a1["bytes"] and all(b > 0 for b in a["bytes"])
+            assert a["remote_bytes"] == a1["remote_bytes"] == [0] * 4  # one EP rank: nothing leaves it
+            assert a["phases"] == a1["phases"] == [PHASES] * 4 and all(v > 0 for v in a["a2a_s"])
+            assert s["layers"] == [0, 1, 2, 3] and s["rows"] == []
+        assert r["steps"] == pp2[0]["steps"]

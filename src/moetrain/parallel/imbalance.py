@@ -19,7 +19,7 @@ step, per MoE layer:
   all-to-all (``DispatchStats.combine_wait_s``): the time the compute stood still for them.
 
 Once per step the three (M layers each) are gathered over the EP group in one all-gather of 3 M numbers
-(:func:`measure_imbalance`); every layer's figures then follow on the host (:class:`ImbalanceStep`). The time lost
+(:func:`measure_moe_telemetry`); every layer's figures then follow on the host (:class:`ImbalanceStep`). The time lost
 by layer l is
 
     lost_l = max_r [ (c_r - mean_r c) + (w_r - min_r w) ]
@@ -36,7 +36,8 @@ fast rank's wait, the hot rank's own extra compute is what remains on the critic
 all-reduce over the PP group (each pipeline rank fills the slots of its layers, by global MoE index, in a buffer of
 4 x M_all x R zeros, the 4th row naming the pipeline rank that computed the layer) hands every rank the figures of
 every MoE layer of the model, read back together with the EP all-gather's. A PP run therefore reports the same
-layers, with the same rows for the same data and weights, as a PP 1 run of the model.
+layers, with the same rows for the same data and weights, as a PP 1 run of the model. The same all-reduce carries
+every layer's all-to-all timers and dispatch bytes (``moetrain.parallel.a2a_telemetry``): one collective for both.
 
 The step's time lost (:meth:`ImbalanceStep.step_totals`) is the sum of ``lost_l`` over the layers of one pipeline
 rank -- all layers at PP 1 -- and under PP the largest such sum over the pipeline ranks. The pipeline ranks run
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import DispatchStats
+from moetrain.parallel.a2a_telemetry import PACKED_PER_LAYER, A2AStep, pack
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.timing import Clock, clock_for
 
@@ -213,37 +215,43 @@ class ImbalanceStep:
         return per_layer + [[] for _ in range(len(self.moe_layers) - len(per_layer))]
 
 
-def measure_imbalance(timers: list[tuple[int, ExpertTimer]], moe_layers: list[int], ep_group: Any,
-                      device: torch.device, pp_group: Any = None, n_moe: int = 0) -> ImbalanceStep:
+def measure_moe_telemetry(timers: list[tuple[int, ExpertTimer]], stats: list[tuple[int, DispatchStats]],
+                          ep_group: Any, device: torch.device, pp_group: Any = None, n_moe: int = 0,
+                          all_to_all: bool = True) -> tuple[ImbalanceStep, A2AStep]:
     """Take every layer's rows, expert time and combine wait since the last call and gather them over the EP group:
-    one all-gather of 3 M float64 values (none without EP); under PP then one all-reduce of 4 x n_moe x EP float64
-    values over the PP group, so that every rank holds the figures of every MoE layer of the model (module
-    docstring). Call once per step on every rank, after the step's end synchronisation (device events are read
-    here; the results are read back to the host once, after both collectives).
+    one all-gather of 3 M float64 values (none without EP); under PP then one all-reduce over the PP group of
+    4 x n_moe x EP float64 values, and in the same buffer each layer's all-to-all timers and dispatch bytes
+    (``moetrain.parallel.a2a_telemetry``: n_moe x ``PACKED_PER_LAYER`` more), so that every rank holds the figures
+    of every MoE layer of the model (module docstring). Call once per step on every rank, after the step's end
+    synchronisation and ``DispatchStats.settle`` (device events are read here; the results are read back to the
+    host once, after both collectives).
 
     Args:
         timers: (global MoE index, timer) of this rank's layers with an all-to-all dispatcher, the same layers on
             every rank of the EP group (one pipeline stage). Empty without expert parallelism, and on a pipeline
             rank without MoE layers.
-        moe_layers: the global MoE index of every MoE layer of this rank.
+        stats: (global MoE index, dispatcher stats) of every MoE layer of this rank.
         ep_group: the EP process group (None: a single process, or EP 1).
         device: where the collective's tensors live (the compute device).
         pp_group: the PP process group (None: PP 1). Every pipeline rank must call, with or without MoE layers.
         n_moe: with ``pp_group``, the MoE layers of the whole model (main and MTP; global indices 0..n_moe-1).
+        all_to_all: the layers' dispatchers run all-to-alls (``ParallelConfig.moves_tokens``, alike on every
+            rank). Without EP and without them, nothing is gathered under PP: every figure is zero on every stage.
 
     Returns:
-        At PP 1 this rank's layers; under PP every layer of the model, in global order, with ``pp_rank_M``.
+        (imbalance, all-to-all figures): at PP 1 of this rank's layers; under PP of every layer of the model, in
+        global order, with ``pp_rank_M``.
 
     Raises:
         CollectiveError: the all-gather or the all-reduce failed or timed out.
     """
+    moe_layers = [m for m, _ in stats]
+    R = dist.get_world_size(ep_group) if ep_group is not None else 0
+    gathered_3MR = None
     if ep_group is None:
         for _, t in timers:
             t.take()
-        return ImbalanceStep(list(range(n_moe)) if pp_group is not None else moe_layers)
-    R = dist.get_world_size(ep_group)
-    gathered_3MR = None
-    if timers:
+    elif timers:
         local_3M = torch.tensor([list(t.take()) for _, t in timers], dtype=torch.float64).t().contiguous()
         with named_phase("imbalance telemetry all-gather (EP group)"):
             parts = [torch.empty_like(local_3M, device=device) for _ in range(R)]
@@ -251,18 +259,33 @@ def measure_imbalance(timers: list[tuple[int, ExpertTimer]], moe_layers: list[in
         gathered_3MR = torch.stack(parts, dim=-1)
     if pp_group is None:
         if gathered_3MR is None:
-            return ImbalanceStep(moe_layers)
+            return ImbalanceStep(moe_layers), A2AStep.of(stats)
         with named_phase("imbalance telemetry all-gather (EP group)"):
             rows, expert_s, wait_s = gathered_3MR.cpu().tolist()  # (3, M, R)
-        return ImbalanceStep([m for m, _ in timers], [[int(v) for v in r] for r in rows], expert_s, wait_s)
+        return (ImbalanceStep([m for m, _ in timers], [[int(v) for v in r] for r in rows], expert_s, wait_s),
+                A2AStep.of(stats))
+    pp_rank = dist.get_rank(pp_group)
+    if ep_group is None and not all_to_all:
+        # local dispatch on every stage: the other stages' figures are zeros, known without a collective
+        local_MK = torch.zeros(n_moe, PACKED_PER_LAYER, dtype=torch.float64)
+        pack(stats, local_MK, pp_rank)
+        return ImbalanceStep(list(range(n_moe))), A2AStep.unpack(local_MK.tolist())
     # Pipeline ranks hold disjoint layers: the sum of the zero-padded buffers is their concatenation in global order.
-    all_4MR = torch.zeros(4, n_moe, R, dtype=torch.float64, device=device)
+    # One buffer for both telemetries: the imbalance's (4, n_moe, R), then the all-to-alls' (n_moe, K).
+    n_imb = 4 * n_moe * R
+    buf = torch.zeros(n_imb + n_moe * PACKED_PER_LAYER, dtype=torch.float64, device=device)
+    all_4MR, a2a_MK = buf[:n_imb].view(4, n_moe, R), buf[n_imb:].view(n_moe, PACKED_PER_LAYER)
     if gathered_3MR is not None:
         idx = torch.tensor([m for m, _ in timers], device=device)
         all_4MR[:3, idx] = gathered_3MR
-        all_4MR[3, idx] = float(dist.get_rank(pp_group) + 1)
-    with named_phase("imbalance telemetry all-reduce (PP group)"):
-        dist.all_reduce(all_4MR, group=pp_group)
-        rows, expert_s, wait_s, owner = all_4MR.cpu().tolist()  # (4, n_moe, R)
-    return ImbalanceStep(list(range(n_moe)), [[int(v) for v in r] for r in rows], expert_s, wait_s,
-                         [int(o[0]) - 1 for o in owner])
+        all_4MR[3, idx] = float(pp_rank + 1)
+    pack(stats, a2a_MK, pp_rank)
+    with named_phase("imbalance and all-to-all telemetry all-reduce (PP group)"):
+        dist.all_reduce(buf, group=pp_group)
+        host = buf.cpu()
+    a2a = A2AStep.unpack(host[n_imb:].view(n_moe, PACKED_PER_LAYER).tolist())
+    if R == 0:
+        return ImbalanceStep(list(range(n_moe))), a2a
+    rows, expert_s, wait_s, owner = host[:n_imb].view(4, n_moe, R).tolist()
+    return (ImbalanceStep(list(range(n_moe)), [[int(v) for v in r] for r in rows], expert_s, wait_s,
+                          [int(o[0]) - 1 for o in owner]), a2a)

@@ -24,7 +24,7 @@ from moetrain.model.moe import MoE
 from moetrain.parallel.hang import in_phase
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.train.checkpoint import save_checkpoint
-from moetrain.train.metrics import (ImbalanceWindow, MetricsSink, NullSink, StepMetrics, load_imbalance,
+from moetrain.train.metrics import (ImbalanceWindow, MetricsSink, NullSink, StepMetrics, a2a_fields, load_imbalance,
                                     peak_memory_gb, val_line, val_record)
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
@@ -146,6 +146,7 @@ class StepMetricsLogger(Callback):
             loop.train.append((loop.step, result.loss))
             loop.train_lm.append((loop.step, result.lm_loss))
             loop.sink.log_step(m, self.pipelined)
+            # every rank resets at the same step: under PP the next record's figures of all stages cover one window
             for layer in self.moe_layers:
                 stats = layer.dispatcher.stats
                 stats.reset_timers()
@@ -160,9 +161,6 @@ class StepMetricsLogger(Callback):
         n = self.window_steps
         tok_s_gpu = n * self.tokens_per_step / dt / self.ctx.world_size
         tflops = tok_s_gpu * self.flops_per_token / 1e12
-        stats = [layer.dispatcher.stats for layer in self.moe_layers]
-        a2a = sum(s.a2a_seconds for s in stats)
-        exposed = sum(s.exposed_seconds for s in stats)
         imb = load_imbalance(result.tokens_per_expert_ME)
         mem_gb, mem_kind = peak_memory_gb(self.ctx.device)
         # the ETA at this run's whole pace so far, evaluation and checkpoints included (they recur)
@@ -172,13 +170,7 @@ class StepMetricsLogger(Callback):
             step=loop.step, loss=result.loss, lm_loss=result.lm_loss, mtp_loss=result.mtp_loss,
             balance_loss=result.balance_loss, grad_norm=result.grad_norm, lr=loop.lr,
             tokens_per_s_per_gpu=tok_s_gpu, tflops_per_gpu=tflops, mfu=tflops / self.peak_tflops,
-            step_time_s=dt / n, a2a_s_per_step=a2a / n, a2a_exposed_s_per_step=exposed / n,
-            a2a_exposed_share=exposed / a2a if a2a > 0 else 0.0, a2a_share_of_step=exposed / dt if dt > 0 else 0.0,
-            a2a_s_per_layer=[s.a2a_seconds / n for s in stats],
-            a2a_exposed_s_per_layer=[s.exposed_seconds / n for s in stats],
-            a2a_s_per_layer_phase=[{k: [v[0] / n, v[1] / n] for k, v in s.by_phase.items()} for s in stats],
-            dispatch_bytes_per_step=sum(s.bytes_sent for s in stats) / n,
-            dispatch_remote_bytes_per_step=sum(s.remote_bytes_sent for s in stats) / n,
+            step_time_s=dt / n, **a2a_fields(result.a2a, n, dt),
             pp_bubble_s_per_step=self.window_bubble / n, pp_bubble_share=self.window_bubble / dt if dt > 0 else 0.0,
             pp_bubble_formula=self.bubble_formula, load_imbalance_max=max(imb) if imb else 1.0, load_imbalance=imb,
             dropped_tokens=result.dropped_tokens, peak_mem_gb=mem_gb,

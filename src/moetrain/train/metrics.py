@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moetrain.parallel.a2a_telemetry import A2AStep
 from moetrain.parallel.imbalance import ImbalanceStep
 from moetrain.train.trackers import TensorBoardTracker, Tracker, WandbTracker, tracker_scalars
 
@@ -101,14 +102,18 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("tflops_per_gpu", "TFLOP/s/gpu", "model TFLOP/s per rank (Megatron-Core FLOPs formula)"),
     Metric("mfu", "MFU", "tflops_per_gpu / the device's dense peak"),
     Metric("step_time_s", "step time", "wall seconds per step over the window (evaluation, checkpoints excluded)"),
-    Metric("a2a_s_per_step", "a2a", "expert all-to-all seconds per step (dispatch and combine, both passes)"),
-    Metric("a2a_exposed_s_per_step", "a2a exposed", "all-to-all seconds per step the compute waited for"),
+    Metric("a2a_s_per_step", "a2a", "expert all-to-all seconds per step (dispatch and combine, both passes), "
+           "summed over the MoE layers; under PP over those of the pipeline rank with the most exposed seconds"),
+    Metric("a2a_exposed_s_per_step", "a2a exposed", "all-to-all seconds per step the compute waited for (the same "
+           "layers)"),
     Metric("a2a_exposed_share", "exposed", "a2a_exposed_s_per_step / a2a_s_per_step"),
     Metric("a2a_share_of_step", "of step", "a2a_exposed_s_per_step / step_time_s: the step time lost to it"),
-    Metric("a2a_s_per_layer", "a2a per layer", "a2a_s_per_step per MoE layer of this rank"),
-    Metric("a2a_exposed_s_per_layer", "a2a exposed per layer", "a2a_exposed_s_per_step per MoE layer"),
+    Metric("a2a_s_per_layer", "a2a per layer", "all-to-all seconds per step per MoE layer (every stage's under PP, "
+           "in global MoE order)"),
+    Metric("a2a_exposed_s_per_layer", "a2a exposed per layer", "exposed all-to-all seconds per step per MoE layer"),
     Metric("a2a_s_per_layer_phase", "a2a per phase", "per MoE layer, {phase: [a2a s, exposed s]} per step"),
-    Metric("dispatch_bytes_per_step", "dispatch bytes", "bytes of the dispatched token rows per step"),
+    Metric("dispatch_bytes_per_step", "dispatch bytes", "bytes of the dispatched token rows per step, summed over "
+           "the MoE layers (of every stage under PP)"),
     Metric("dispatch_remote_bytes_per_step", "remote bytes", "dispatch_bytes_per_step sent to other ranks"),
     Metric("pp_bubble_s_per_step", "bubble s", "measured pipeline bubble seconds per step"),
     Metric("pp_bubble_share", "bubble", "pp_bubble_s_per_step / step_time_s"),
@@ -422,3 +427,19 @@ class ImbalanceWindow:
                    imbalance_moe_layers=self.last.moe_layers)
         self.reset()
         return out
+
+
+def a2a_fields(a2a: A2AStep, n_steps: int, window_s: float) -> dict[str, Any]:
+    """The all-to-all fields of :class:`StepMetrics` for a window of ``n_steps`` steps lasting ``window_s`` seconds,
+    from the dispatchers' figures accumulated over it (the window's last ``StepResult.a2a``). Per-layer figures are
+    per layer (every stage's under PP); the step's seconds those of one pipeline rank, its bytes the sum over every
+    layer (``moetrain.parallel.a2a_telemetry``)."""
+    n = n_steps
+    total, exposed = a2a.step_totals()
+    sent, remote = a2a.bytes_totals()
+    return dict(a2a_s_per_step=total / n, a2a_exposed_s_per_step=exposed / n,
+                a2a_exposed_share=exposed / total if total > 0 else 0.0,
+                a2a_share_of_step=exposed / window_s if window_s > 0 else 0.0,
+                a2a_s_per_layer=[v / n for v in a2a.a2a_s_M], a2a_exposed_s_per_layer=[v / n for v in a2a.exposed_s_M],
+                a2a_s_per_layer_phase=[{k: [v[0] / n, v[1] / n] for k, v in p.items()} for p in a2a.by_phase_M],
+                dispatch_bytes_per_step=sent / n, dispatch_remote_bytes_per_step=remote / n)

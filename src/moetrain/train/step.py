@@ -18,7 +18,7 @@ forward and backward passes, everything else is the same for all three.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -29,7 +29,8 @@ from moetrain.model.moe import MoE
 from moetrain.model.transformer import IGNORE_INDEX
 from moetrain.parallel.comm import name_collective_error, named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher
-from moetrain.parallel.imbalance import ImbalanceStep, measure_imbalance
+from moetrain.parallel.a2a_telemetry import A2AStep
+from moetrain.parallel.imbalance import ImbalanceStep, measure_moe_telemetry
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.pipeline import sync_embedding_grads
@@ -51,7 +52,9 @@ class StepResult:
     bubble_s: the part of them this rank spent not computing (waiting for and sending to neighbouring stages; 0
     without pipelining); imbalance: rows, expert time and combine wait of the MoE layers on every EP rank (under PP
     of every stage's layers, each over its own EP group), and the time lost to their imbalance
-    (``moetrain.parallel.imbalance``)."""
+    (``moetrain.parallel.imbalance``); a2a: all-to-all seconds and dispatch bytes of the MoE layers (under PP of
+    every stage's, from the ranks of this rank's pipeline), accumulated in the dispatchers since the metrics logger
+    last reset them (``moetrain.parallel.a2a_telemetry``)."""
 
     loss: float
     lm_loss: float
@@ -67,6 +70,7 @@ class StepResult:
     mtp_term: float = 0.0
     balance_term: float = 0.0
     imbalance: ImbalanceStep | None = None
+    a2a: A2AStep = field(default_factory=lambda: A2AStep([]))
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -206,10 +210,12 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
         moe.dispatcher.stats.settle()
     pipeline_s, bubble_s = model.runner.timing()
     timers = [(m, moe.dispatcher.expert_timer) for m, moe in layers if isinstance(moe.dispatcher, AllToAllDispatcher)]
-    imbalance = measure_imbalance(timers, [m for m, _ in layers], ctx.ep_group if ctx.pcfg.ep > 1 else None, device,
-                                  ctx.pp_group if ctx.pcfg.pp > 1 else None, loads.shape[0])
+    imbalance, a2a = measure_moe_telemetry(timers, [(m, moe.dispatcher.stats) for m, moe in layers],
+                                           ctx.ep_group if ctx.pcfg.ep > 1 else None, device,
+                                           ctx.pp_group if ctx.pcfg.pp > 1 else None, loads.shape[0],
+                                           ctx.pcfg.moves_tokens)
     mtp_term, balance_term = cfg.mtp_loss_weight * mtp_v, cfg.balance_loss_alpha * bal_v
     return StepResult(loss=lm_v + mtp_term + balance_term, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v,
                       grad_norm=gnorm_v, tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]),
                       n_sequences=int(norm_host[-1]), dropped_tokens=int(dropped_v), pipeline_s=pipeline_s,
-                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term, imbalance=imbalance)
+                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term, imbalance=imbalance, a2a=a2a)
