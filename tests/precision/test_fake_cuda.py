@@ -166,8 +166,12 @@ def test_fp8_linear_fprop_dgrad_wgrad_reach_scaled_mm_at_preset_shapes(gpu, pres
             assert (dw.shape, dw.dtype) == ((N, K), torch.float32)
 
 
-@pytest.mark.parametrize("r,cap", [(BLOCKWISE, BLACKWELL), (MXFP8, HOPPER)], ids=["blockwise-sm100", "mxfp8-sm90"])
-def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap):
+@pytest.mark.parametrize("r,cap,reason", [(BLOCKWISE, BLACKWELL, "sm100 GPU: torch's scaled GEMM for these scales needs "
+                                                              "Hopper (sm90)"),
+                                          (MXFP8, HOPPER, "sm90 GPU: torch's scaled GEMM for these scales needs "
+                                                          "Blackwell (sm100) or newer")],
+                         ids=["blockwise-sm100", "mxfp8-sm90"])
+def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap, reason):
     gpu(cap)
     with FakeTensorMode(), warnings.catch_warnings(record=True) as caught, KernelLog() as log:
         warnings.simplefilter("always")
@@ -175,6 +179,8 @@ def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap):
             _run_linear(_cuda(256, 256, dtype=torch.bfloat16), _cuda(384, 256), r)
     emulated = [w for w in caught if "emulated" in str(w.message)]
     assert len(emulated) == 1 and issubclass(emulated[0].category, RuntimeWarning)
+    # the reason: this GPU's generation and the one the recipe's scaled GEMM needs (gemm.warn_emulated)
+    assert reason in str(emulated[0].message), str(emulated[0].message)
     assert log.count("scaled_mm") == 0 and log.count("mm") == 6
     assert set(log.mm_precisions) == {"tf32"} and torch.backends.cuda.matmul.fp32_precision == "none"
 
