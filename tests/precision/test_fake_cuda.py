@@ -166,8 +166,10 @@ def test_fp8_linear_fprop_dgrad_wgrad_reach_scaled_mm_at_preset_shapes(gpu, pres
             assert (dw.shape, dw.dtype) == ((N, K), torch.float32)
 
 
-@pytest.mark.parametrize("r,cap", [(BLOCKWISE, BLACKWELL), (MXFP8, HOPPER)], ids=["blockwise-sm100", "mxfp8-sm90"])
-def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap):
+@pytest.mark.parametrize("r,cap,needs", [(BLOCKWISE, BLACKWELL, "Hopper (sm90)"),
+                                         (MXFP8, HOPPER, "Blackwell (sm100) or newer")],
+                         ids=["blockwise-sm100", "mxfp8-sm90"])
+def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap, needs):
     gpu(cap)
     with FakeTensorMode(), warnings.catch_warnings(record=True) as caught, KernelLog() as log:
         warnings.simplefilter("always")
@@ -175,6 +177,9 @@ def test_fp8_linear_without_its_kernel_warns_once_and_runs_tf32(gpu, r, cap):
             _run_linear(_cuda(256, 256, dtype=torch.bfloat16), _cuda(384, 256), r)
     emulated = [w for w in caught if "emulated" in str(w.message)]
     assert len(emulated) == 1 and issubclass(emulated[0].category, RuntimeWarning)
+    # the reason: this GPU's generation and the one the recipe's scaled GEMM needs (gemm.warn_emulated)
+    msg = str(emulated[0].message)
+    assert f"on this sm{cap[0]}{cap[1]} GPU: torch's scaled GEMM for these scales needs {needs};" in msg, msg
     assert log.count("scaled_mm") == 0 and log.count("mm") == 6
     assert set(log.mm_precisions) == {"tf32"} and torch.backends.cuda.matmul.fp32_precision == "none"
 

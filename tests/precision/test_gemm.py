@@ -12,6 +12,7 @@ from moetrain.precision.grouped import aligned_layout, fp8_expert_swiglu, fp8_gr
 from moetrain.precision.linear import Fp8LinearFunction, fp8_linear
 from moetrain.precision.quant import fake_quantise, quantise
 from moetrain.precision.recipe import BLOCKWISE, MXFP8, Fp8Recipe
+from tests.precision.emulated_kernels import EmulatedScaledMM
 
 RECIPES = [BLOCKWISE, MXFP8]
 
@@ -198,49 +199,13 @@ def test_cuda_fast_path_equals_reference_in_all_three_gemms(r: Fp8Recipe, M: int
         assert (fast - ref).abs().max() <= fast_path_rtol() * ref.abs().max(), name
 
 
-class _EmulatedScaledMM:
-    """``F`` for gemm.py with ``scaled_mm`` computed on CPU from the operands as cuBLAS reads them (blockwise
-    recipes only): mat_a (M, K) row-major, mat_b (K, N) column-major; BlockWise1x128 scales of A: sa[m, kb] for
-    a[m, 128 kb : 128 (kb + 1)], shape (M, K/128), strides (1, M); BlockWise128x128 scales of B: sb[kb, nb] for the
-    128x128 block (kb, nb) of mat_b, shape (round_up(K/128, 4), N/128), strides (1, L4), rows past K/128 unread;
-    BlockWise1x128 scales of B: sb[n, kb] for mat_b[128 kb : 128 (kb + 1), n], shape (N, K/128), strides (1, N)
-    (torch/_meta_registrations.py, _check_scaled_mm_sizes_v2; the H200 runs of GPU_FACTS). Checks the strides too,
-    so it reads values exactly where the kernel would."""
-
-    ScalingType = torch.nn.functional.ScalingType
-
-    def __init__(self):
-        self.calls = 0
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    def scaled_mm(self, a, b, sa, ra, sb, rb, output_dtype=torch.bfloat16, **_):
-        S = self.ScalingType
-        self.calls += 1
-        (M, K), N = a.shape, b.shape[1]
-        assert a.stride() == (K, 1) and b.stride() == (1, K) and K % 128 == 0 and ra == S.BlockWise1x128
-        Kb = K // 128
-        assert sa.shape == (M, Kb) and (sa.stride() == (1, M) or Kb == 1)
-        a_f = a.float().view(M, Kb, 128) * sa.unsqueeze(-1)
-        b_f = b.float().t().reshape(N, Kb, 128)  # b_f[n, kb, i] = mat_b[128 kb + i, n]
-        if rb == S.BlockWise128x128:
-            assert N % 128 == 0 and sb.shape == (-(-Kb // 4) * 4, N // 128) and sb.stride() == (1, sb.shape[0])
-            s = sb[:Kb].t().repeat_interleave(128, dim=0)  # (N, Kb): block (kb, n // 128)
-        else:
-            assert rb == S.BlockWise1x128 and sb.shape == (N, Kb) and (sb.stride() == (1, N) or Kb == 1)
-            s = sb
-        b_f = b_f * s.unsqueeze(-1)
-        return (a_f.reshape(M, K) @ b_f.reshape(N, K).t()).to(output_dtype)
-
-
 @pytest.mark.parametrize("M,K,N", [(64, 768, 768), (64, 128, 384), (48, 200, 136), (32, 384, 576)])
 def test_blockwise_scale_layouts_put_each_scale_on_its_block(monkeypatch, M, K, N):
     # The fake-CUDA tests check shapes and strides; this reads the scale values where cuBLAS reads them, so a
     # scale put on the wrong block (right shape, wrong place) fails. Scales vary per block and per row.
     from moetrain.precision import gemm
 
-    emu = _EmulatedScaledMM()
+    emu = EmulatedScaledMM()
     monkeypatch.setattr(gemm, "F", emu)
     monkeypatch.setattr(gemm, "blockwise_kernel", lambda device: True)
     torch.manual_seed(0)
