@@ -73,3 +73,73 @@ def test_a_failing_or_hanging_check_keeps_the_others(tmp_path: Path):
 def test_unknown_check_is_refused_in_one_line(tmp_path: Path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown check(s) ['nope']" in proc.stderr
+
+
+def test_budget_spent_leaves_not_run_rows_and_a_failing_exit(tmp_path: Path):
+    """--budget-s cuts the running check's limit to what is left and starts no check once under 15 s are left: the
+    hanging first check is stopped at the budget, the others are "not run" rows, and the exit status is 1."""
+    proc, res = _run(tmp_path, "--only", "env,attention,layers", "--budget-s", "20",
+                     env={"MOETRAIN_GPU_CHECK_INJECT": "env:hang"})
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    groups = _by_group(res)
+    assert [r["value"] for r in groups["env"]] == ["TIMEOUT"]
+    assert groups["env"][0]["detail"].startswith("over 20 s")  # the check's 240 s CPU limit, cut to the budget
+    for name in ("attention", "layers"):
+        assert [(r["check"], r["value"], r["detail"]) for r in groups[name]] == [
+            (name, "not run", "--budget-s 20 spent")]
+    assert res["failed"] == ["env", "attention", "layers"]
+    assert proc.stdout.rstrip().splitlines()[-1].endswith("FAILED: ['env', 'attention', 'layers']")
+
+
+def test_env_row_names_this_torch_python_and_device(tmp_path: Path):
+    import platform
+
+    proc, res = _run(tmp_path, "--only", "env")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert res["device"] == "CPU" and res["failed"] == []
+    env, gpu = res["rows"]
+    assert env["check"] == "python / torch" and env["value"] == torch.__version__
+    assert env["detail"] == (f"Python {platform.python_version()}, CUDA {torch.version.cuda}, NCCL -, gloo True, "
+                             f"nccl {torch.distributed.is_nccl_available()}")
+    assert (gpu["check"], gpu["value"], gpu["detail"]) == ("GPU", "skipped", "no CUDA device visible")
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _validation_layer_rows() -> dict[str, tuple[float, dict[str, float]]]:
+    """docs/validation.md's H200 layer table: layer -> (predicted ms, predicted parts ms)."""
+    import re
+
+    text = (REPO / "docs" / "validation.md").read_text()
+    rows = {}
+    for kind, label in (("t", "MoE"), ("d", "dense")):
+        cells = [c.strip() for c in re.search(rf"^\| {label} \(.*$", text, re.M).group(0).strip("|").split("|")]
+        parts = {name: float(ms) for name, ms in (part.rsplit(" ", 1) for part in cells[4].split(", "))}
+        rows[kind] = (float(cells[2].removesuffix(" ms")), parts)
+    return rows
+
+
+def test_planned_layer_times_are_the_planners_figures_in_the_validation_doc():
+    """The layers rows set the measurement beside ``moetrain plan --gpu h200``'s DeepSeek-V3 layer: the planner's
+    figures, computed here, are the ones docs/validation.md records (31.8 ms MoE, 26.1 ms dense)."""
+    gc = _gpu_check_module()
+    doc = _validation_layer_rows()
+    assert doc["t"][0] == 31.8 and doc["d"][0] == 26.1
+    key = {"GEMM": "gemm", "grouped GEMM": "grouped", "attention": "attention", "memory-bound": "memory_bound"}
+    for kind in ("t", "d"):
+        plan = gc._planned_layer_s(kind, 4096, quick=False)
+        doc_ms, doc_parts = doc[kind]
+        assert plan["compute"] * 1e3 == pytest.approx(doc_ms, abs=0.06), (kind, plan)
+        assert {key[k]: v for k, v in doc_parts.items()} == pytest.approx(
+            {key[k]: plan[key[k]] * 1e3 for k in doc_parts}, abs=0.006)
+        assert plan["a2a"] >= 0 and plan["compute"] == pytest.approx(
+            sum(plan[k] for k in ("gemm", "grouped", "attention", "head", "memory_bound", "recompute", "overhead",
+                                  "host_launch")), rel=1e-9)
+    assert gc._planned_layer_s("t", 4096, quick=True) is None  # no prediction for the CPU's tiny layer

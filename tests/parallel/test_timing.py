@@ -156,3 +156,66 @@ def test_pipeline_compute_and_bubble_from_events():
         compute_marks = [e for e in r["log"] if e[:2] == ("record", "compute")]
         # per step: the schedule's two points and two per chunk pass (4 micro-batches, forward and backward)
         assert len(compute_marks) == 2 * (2 + 2 * 4 * 2)
+
+
+class _CudaStageStandIn:
+    """What the timed stage sees of torch's ``PipelineStage`` on a GPU: ``device`` of type "cuda" and the three
+    chunk calls, each taking a known time on the stand-in device (it moves the host clock the events read)."""
+
+    CHUNK_S = {"forward": 0.010, "backward": 0.020, "weight": 0.005}
+
+    def __init__(self, host_time: list[float], calls: list[str]):
+        self.device = torch.device("cuda", 0)  # constructible without CUDA; nothing is allocated on it
+        self.host_time, self.calls = host_time, calls
+
+    def _run(self, kind: str) -> None:
+        self.calls.append(kind)
+        self.host_time[0] += self.CHUNK_S[kind]
+
+    def forward_one_chunk(self, chunk: int, *a, **k) -> None:
+        self._run("forward")
+
+    def backward_one_chunk(self, chunk: int, *a, **k) -> None:
+        self._run("backward")
+
+    def backward_weight_one_chunk(self, chunk: int, *a, **k) -> None:
+        self._run("weight")
+
+
+@pytest.mark.parametrize("ep_overlap", [False, True])
+def test_pipeline_stage_on_cuda_never_synchronizes_per_chunk(monkeypatch, host_time, ep_overlap):
+    """The old timer synchronised the device around every chunk, but only when the stage's device type was "cuda",
+    so CPU runs never met it. Here the stage class ``build_schedule`` uses sees a CUDA device, with the stand-in
+    event API installed for "cuda": a step's chunks (4 micro-batches, forward, input and weight backward, and one
+    OVERLAP_F_B pair) call ``torch.cuda.synchronize`` zero times, and the compute time is read from events only
+    after the step (whose end-of-step read is the trainer's, not the stage's)."""
+    from moetrain.parallel.pipeline import stage_class
+
+    syncs: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(a))
+    api = FakeApi(clock=lambda: host_time[0])
+    prev = timing.install_device_api("cuda", api)
+    try:
+        calls: list[str] = []
+        stage = stage_class(_CudaStageStandIn, ep_overlap)(host_time, calls)
+        for mb in range(4):
+            stage.forward_one_chunk(mb)
+        for mb in range(4):
+            stage.backward_one_chunk(mb)
+            stage.backward_weight_one_chunk(mb)
+        # OVERLAP_F_B: a forward run inside a backward is part of the backward's interval, not a second one
+        stage._time(lambda: (stage.backward_one_chunk(0), stage.forward_one_chunk(1)))
+        assert syncs == []  # not one during the step's chunks
+        assert calls == ["forward"] * 4 + ["backward", "weight"] * 4 + ["backward", "forward"]
+        assert api.elapsed_reads == 0  # nothing read before the step ended
+        records = [e for e in api.log if e[:2] == ("record", "compute")]
+        assert len(records) == 2 * (4 + 4 * 2 + 1)  # two events per timed interval, on the compute stream
+        # after the step (whose one host read of the device, the trainer's loss and norm read, is allowed): the
+        # events are read, still without a synchronize of their own
+        expected = 4 * (0.010 + 0.020 + 0.005) + (0.020 + 0.010)
+        assert stage.compute_seconds() == pytest.approx(expected, rel=1e-12)
+        assert api.elapsed_reads == 4 + 4 * 2 + 1
+        assert syncs == []
+        assert stage.spans == []
+    finally:
+        timing.install_device_api("cuda", prev)

@@ -29,6 +29,7 @@ phase entry and exit, nothing when no monitor runs (single process).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -41,15 +42,35 @@ STUCK = "stuck in"
 _monitor: "HangMonitor | None" = None
 
 
+def _test_stall(spec: str | None) -> tuple[str, int] | None:
+    """TEST-ONLY fault injection, for the end-to-end hang test (tests/parallel/test_hang_e2e.py); never set it in a
+    real run. ``MOETRAIN_TEST_STALL="<phase prefix>:<rank>"``: that rank, on first entering a monitored phase whose
+    name starts with the prefix, stands still in it for twice ``parallel.timeout_s`` (a collective that never
+    completes), so its peers' collectives time out."""
+    if not spec:
+        return None
+    phase, sep, rank = spec.rpartition(":")
+    if not sep or not phase or not rank.isdigit():
+        raise ValueError(f"MOETRAIN_TEST_STALL={spec!r}: expected '<phase prefix>:<rank>' (a test-only setting)")
+    return phase, int(rank)
+
+
+_TEST_STALL = _test_stall(os.environ.get("MOETRAIN_TEST_STALL"))
+
+
 @contextmanager
 def in_phase(name: str) -> Iterator[None]:
     """Mark ``name`` as in flight on this thread while the block runs (a no-op without a running monitor)."""
+    global _TEST_STALL
     m = _monitor
     if m is None:
         yield
         return
     entry = m.enter(name)
     try:
+        if _TEST_STALL is not None and m.rank == _TEST_STALL[1] and name.startswith(_TEST_STALL[0]):
+            _TEST_STALL = None
+            time.sleep(2 * (m.timeout_s or m.report_after_s))
         yield
     finally:
         m.exit(entry)

@@ -246,6 +246,14 @@ def _timed(cls: type) -> type:
     return Timed
 
 
+def stage_class(base: type, ep_overlap: bool) -> type:
+    """The stage class :func:`build_schedule` instantiates: ``base`` (torch's ``PipelineStage``) timed per chunk
+    (:func:`_timed`), with the torch-version fixes of :mod:`moetrain.parallel.torch_compat`, and paired for
+    ``ep_overlap`` (:func:`moetrain.parallel.overlap.paired_stage`)."""
+    cls = keep_split_backward_graph(without_self_p2p_warmup(_timed(base)))
+    return paired_stage(cls) if ep_overlap else cls
+
+
 def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int, micro_batch: int, seq_len: int,
                    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> tuple[Any, list[Any]]:
     """The ``torch.distributed.pipelining`` schedule of ``ctx.pcfg.schedule`` over this rank's stages.
@@ -272,9 +280,7 @@ def build_schedule(parts: list[TransformerStage], ctx: Any, n_microbatches: int,
     B, L, D = micro_batch, seq_len, parts[0].cfg.dim
     dev = ctx.device
     stages = []
-    Timed = keep_split_backward_graph(without_self_p2p_warmup(_timed(PipelineStage)))
-    if pcfg.ep_overlap:
-        Timed = paired_stage(Timed)
+    Timed = stage_class(PipelineStage, pcfg.ep_overlap)
     for part in parts:
         h = torch.empty(B, L, D, dtype=part.act_dtype, device="meta")
         inputs = () if part.spec.embed else (h,)  # token ids and labels: keyword arguments, not sent
