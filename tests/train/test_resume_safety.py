@@ -129,3 +129,14 @@ def test_schedule_change_names_the_first_step_whose_lr_differs(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_schedule_unchanged(tmp_path, _state(old, step=20), new)
     assert "the LR at step 20 stays 0.004, but at step 21 goes from 0.004 to 0.00391" in str(e.value), str(e.value)
+
+
+def test_more_steps_that_keep_every_remaining_lr_resume(tmp_path):
+    # A 4-step run with a 20-step warm-up, resumed to 6 steps: steps 4 and 5 are still warm-up, lr * (s + 1) / 20
+    # under both schedules, so nothing the resumed run does changes; it was refused ("0.001 to 0.001").
+    job = JobConfig()
+    old = replace(job, train=replace(job.train, steps=4, warmup_steps=20, lr=4e-3))
+    check_schedule_unchanged(tmp_path, _state(old, step=4), replace(old, train=replace(old.train, steps=6)))
+    # extended past the warm-up, the new cosine decays from step 21 (step 20 is its peak, 4e-3, under both)
+    with pytest.raises(ConfigError, match="stays 0.001, but at step 21 goes from 0.004 to 0.00391"):
+        check_schedule_unchanged(tmp_path, _state(old, step=4), replace(old, train=replace(old.train, steps=30)))
