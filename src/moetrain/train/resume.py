@@ -24,8 +24,7 @@ SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_steps", "schedule")
 def check_schedule_unchanged(ckpt: Path, state: dict[str, Any], job: JobConfig) -> None:
     """Refuse a resume that changes the learning-rate schedule, unless ``train.allow_schedule_change``: a changed
     lr, min_lr, warmup or schedule, or more steps under a decaying schedule (cosine and WSD stretch over
-    ``train.steps``, so the LR at the resume step would jump), where the LR of a step still to run differs (a run
-    extended inside its warm-up keeps every LR, and resumes).
+    ``train.steps``, so the LR at the resume step would jump).
 
     Raises:
         ConfigError: naming each changed field, the LR at the resume step before and after, and the two ways on.
@@ -42,27 +41,20 @@ def check_schedule_unchanged(ckpt: Path, state: dict[str, Any], job: JobConfig) 
         return
     step = int(state.get("step", 0))
 
-    def lrs(s: int) -> tuple[float, float]:  # the LR at step s under the checkpoint's schedule and the new one
-        return (lr_at(s, lr=saved["lr"], min_lr=saved["min_lr"], warmup_steps=saved["warmup_steps"],
-                      total_steps=saved["steps"], schedule=saved["schedule"]),
-                lr_at(s, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
-                      schedule=tc.schedule))
+    def lrs(s: int) -> tuple[str, str]:  # as printed: the schedules part where these differ
+        before = lr_at(s, lr=saved["lr"], min_lr=saved["min_lr"], warmup_steps=saved["warmup_steps"],
+                       total_steps=saved["steps"], schedule=saved["schedule"])
+        after = lr_at(s, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps,
+                      schedule=tc.schedule)
+        return f"{before:.3g}", f"{after:.3g}"
 
-    # Only the steps still to run matter: e.g. a run still in its warm-up extended by a few steps keeps every LR
-    first = next((s for s in range(step, tc.steps) if lrs(s)[0] != lrs(s)[1]), None)
-    if first is None:
-        return
-
-    def shown(s: int) -> tuple[str, str]:
-        a, b = lrs(s)
-        digits = 3 if f"{a:.3g}" != f"{b:.3g}" else 7
-        return f"{a:.{digits}g}", f"{b:.{digits}g}"
-
-    if first == step:
-        where = "the LR at step {} goes from {} to {}".format(step, *shown(step))
-    else:
-        where = (f"the LR at step {step} stays {shown(step)[0]}, but at step {first} goes from "
-                 f"{' to '.join(shown(first))}")
+    before, after = lrs(step)
+    where = f"the LR at step {step} goes from {before} to {after}"
+    if before == after:  # e.g. a run that ended in its warm-up: "0.004 to 0.004" would say nothing changes
+        first = next((s for s in range(step + 1, max(tc.steps, saved.get("steps", 0))) if len(set(lrs(s))) > 1),
+                     None)
+        if first is not None:
+            where = f"the LR at step {step} stays {before}, but at step {first} goes from {' to '.join(lrs(first))}"
     raise ConfigError(f"resuming {ckpt} would change the learning-rate schedule ({'; '.join(changed)}): {where}. "
                       f"Resume with the run's settings, or accept the change with --set "
                       f"train.allow_schedule_change=true")
