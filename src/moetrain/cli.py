@@ -256,7 +256,11 @@ def _cmd_train_or_help(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
+    from moetrain.train.resume import check_run_config_copy
 
+    if args.config:  # before anything is read or printed: a copied run's config would train into the original
+        out_given = bool(args.out) or any(s.split("=", 1)[0].strip() == "train.out_dir" for s in args.set)
+        check_run_config_copy(args.config, out_given, args.resume)
     job = job_from_args(args)
     plan = _plan_file(args) if getattr(args, "plan", None) and args.dry_run else None  # set beside the run
     summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan, gpu=args.gpu)
