@@ -44,6 +44,9 @@ def trained(tmp_path_factory):
     p, recs, outs = _torchrun(out, cache, root / "first", "--steps", "2")
     assert p.returncode == 0, p.stdout + p.stderr + "".join(outs)
     assert [c.name for c in sorted((out / "checkpoints").iterdir())] == ["step_00000001", "step_00000002"]
+    # the saved config records the world torchrun started, not the local launcher's default (0: one per GPU)
+    from moetrain.config import read_config_file
+    assert read_config_file(out / "config.toml")["train"]["nproc"] == 2
     return out, cache
 
 
@@ -101,6 +104,17 @@ def test_every_checkpoint_damaged_ends_every_rank_with_rank_0s_error(trained, tm
     # nothing set aside when there is nothing to resume from, and no rank waited for a timeout
     assert sorted(c.name for c in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     assert took < 60, took
+
+
+def test_an_nproc_other_than_torchruns_world_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    p, recs, outs = _torchrun(out, tmp_path / "cache", tmp_path / "record", "--steps", "2", "--set", "train.nproc=4")
+    assert [r["rc"] for r in recs] == [2, 2], outs
+    errors = [l for l in outs[0].splitlines() if l.startswith("moetrain train: error:")]
+    assert errors == ["moetrain train: error: train.nproc=4 (--nproc) but torchrun started 2 processes "
+                      "(WORLD_SIZE=2): under torchrun, torchrun decides the world (--nnodes x --nproc-per-node); "
+                      "drop --nproc / train.nproc, or start 4 processes"], outs
+    assert not (out / "checkpoints").exists()
 
 
 # ------------------------------------------------------------------ rank0_decides on its own, on 2 gloo ranks

@@ -317,6 +317,20 @@ def _failure_message(e: Any, job: JobConfig, log_sizes: dict[int, int] | None = 
     return f"a training worker failed: {reason}; {hint}"
 
 
+def torchrun_world(job: JobConfig, world: int) -> JobConfig:
+    """``job`` with ``train.nproc`` = ``world``, torchrun's WORLD_SIZE: torchrun decides the world, and the run's saved
+    config records the world it trained on.
+
+    Raises:
+        ConfigError: ``train.nproc`` (``--nproc``, or a ``--plan``'s process count) is set to another count.
+    """
+    if job.train.nproc and job.train.nproc != world:
+        raise ConfigError(f"train.nproc={job.train.nproc} (--nproc) but torchrun started {world} processes "
+                          f"(WORLD_SIZE={world}): under torchrun, torchrun decides the world (--nnodes x "
+                          f"--nproc-per-node); drop --nproc / train.nproc, or start {job.train.nproc} processes")
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, nproc=world))
+
+
 def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
                plan: Any = None, gpu: str | None = None) -> dict[str, Any] | None:
     """Entry point of ``moetrain train``. Returns rank 0's summary (None on other torchrun ranks).
@@ -343,6 +357,7 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
         return dry_run_world(job, world, plan, gpu)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
+        job = torchrun_world(job, world)
         try:
             prep = preflight(job, world, dry_run, torchrun=True)
         except BaseException:
