@@ -40,7 +40,7 @@ from moetrain.train.checkpoint import (checkpoint_dir, has_checksums, latest_che
 from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
                                    check_schedule_unchanged)
-from moetrain.train.rank0 import rank0_decides
+from moetrain.train.rank0 import ThisRankOnly, rank0_decides
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -117,7 +117,8 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
     ``torchrun``: this process is one of torchrun's workers, each of which runs the preflight. Global rank 0 alone
     verifies the checkpoints' bytes, sets damaged ones aside, prints, and prepares the data first
     (:func:`moetrain.train.rank0.rank0_decides`); the others wait, check that they see the checkpoint it chose, and
-    reuse its prepared data; an error of rank 0 is raised on every rank with the same message.
+    reuse its prepared data; an error of rank 0 is raised on every rank with the same message (the CLI prints it on
+    rank 0 only); one that another rank alone meets has :class:`moetrain.train.rank0.ThisRankOnly` as its cause.
 
     Raises:
         ConfigError, DataError, CheckpointError: naming the problem and the fix.
@@ -149,8 +150,11 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
     if seen != ckpt:
         raise CheckpointError(f"rank {os.environ['RANK']} sees {seen or 'no checkpoint'} where rank 0 chose "
                               f"{ckpt or 'none'}: {job.train.out_dir} must be one directory on a file system that "
-                              f"every node shares (DCP reads the shards of every rank)")
-    return _check_and_prepare(job, world_size, ckpt, _quiet, PrepProgress(enabled=False))
+                              f"every node shares (DCP reads the shards of every rank)") from ThisRankOnly()
+    try:
+        return _check_and_prepare(job, world_size, ckpt, _quiet, PrepProgress(enabled=False))
+    except (ConfigError, DataError, CheckpointError) as e:  # rank 0 passed these checks: what this rank sees
+        raise type(e)(f"rank {os.environ['RANK']}: {e}") from ThisRankOnly()
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:
