@@ -146,9 +146,11 @@ def _plan_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]] | None
     if not getattr(args, "plan", None):
         return None
     from moetrain.train.from_plan import plan_job
+    from moetrain.train.rank0 import is_rank0
 
     pj = plan_job(_plan_file(args))
-    print(f"[moetrain] --plan {args.plan}: prediction-only, not run: {'; '.join(pj.prediction_only)}")
+    if is_rank0():
+        print(f"[moetrain] --plan {args.plan}: prediction-only, not run: {'; '.join(pj.prediction_only)}")
     sections = {k: dict(v) for k, v in pj.sections.items()}
     if getattr(args, "nproc", None) is None:
         sections["train"]["nproc"] = pj.world
@@ -199,11 +201,13 @@ def job_from_args(args: argparse.Namespace, fit_world: bool = True):
     ``fit_world``: size an unset EP to the processes that will train (see :func:`moetrain.config.build_job_config`)
     and print a note when it is lowered."""
     from moetrain.config import load_job_config
+    from moetrain.train.rank0 import is_rank0
 
     job = load_job_config(args.config, _sets_from_args(args), world=_launch_world(args) if fit_world else None,
                           plan=_plan_sections(args), dry_run_world=getattr(args, "world", None) is not None)
-    for note in job.notes:
-        print(f"[moetrain] note: {note}")
+    if is_rank0():  # under torchrun every rank builds the same job: rank 0 says its notes once
+        for note in job.notes:
+            print(f"[moetrain] note: {note}")
     return job
 
 
@@ -256,7 +260,11 @@ def _cmd_train_or_help(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moetrain.train.launch import train_main
+    from moetrain.train.resume import check_run_config_copy
 
+    if args.config:  # before anything is read or printed: a copied run's config would train into the original
+        out_given = bool(args.out) or any(s.split("=", 1)[0].strip() == "train.out_dir" for s in args.set)
+        check_run_config_copy(args.config, out_given, args.resume)
     job = job_from_args(args)
     plan = _plan_file(args) if getattr(args, "plan", None) and args.dry_run else None  # set beside the run
     summary = train_main(job, dry_run=args.dry_run, world=args.world, plan=plan, gpu=args.gpu)
@@ -427,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError,
             json.JSONDecodeError) as e:
+        from moetrain.train.rank0 import ThisRankOnly, is_rank0
+
+        if args.command == "train" and not (is_rank0() or isinstance(e.__cause__, ThisRankOnly)):
+            return 2  # under torchrun rank 0 meets the same error (the same job, or its own passed on) and prints it
         print(f"moetrain {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

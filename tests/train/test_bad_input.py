@@ -59,6 +59,20 @@ def test_checkpoint_from_a_different_model(capsys, tmp_path):
     _real_checkpoint(tmp_path / "run", dim=64)
     code, err, _ = _train(capsys, "--resume", "--out", str(tmp_path / "run"))
     assert code == 2 and "different model" in err and "dim" in err
+    assert "resume with the model options the run was started with (--preset, --set model.*)" in err, err
+
+
+def test_checkpoint_from_a_different_model_names_the_runs_config(capsys, tmp_path):
+    from moetrain.config import JobConfig, save_job_config
+
+    run = tmp_path / "run"
+    _real_checkpoint(run, dim=64)
+    save_job_config(JobConfig(), run / "config.toml")  # as the trainer saves it beside checkpoints/
+    code, err, _ = _train(capsys, "--resume", "--out", str(run))
+    assert code == 2 and "dim: checkpoint 64 vs config " in err, err
+    assert err.strip().endswith(f"resume with the run's options, e.g. --config {run / 'config.toml'}, or train "
+                                f"into a fresh --out"), err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_unreadable_config_file(capsys, tmp_path):

@@ -119,6 +119,20 @@ def test_a_changed_trainer_state_or_a_removed_manifest_is_caught(run):
         ck.verify_checkpoint(newest)
 
 
+def test_a_tampered_manifest_is_named_as_a_possible_cause(run):
+    """An edited digest in checksums.json reads like a damaged file: the message names both possibilities."""
+    out, *_ = run
+    newest = out / "checkpoints" / "step_00000010"
+    manifest = json.loads((newest / "checksums.json").read_text())
+    manifest["files"][".metadata"]["sha256"] = "0" * 64
+    (newest / "checksums.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as e:
+        ck.verify_checkpoint(newest)
+    assert ".metadata does not match its checksum (sha256 " in str(e.value)
+    assert str(e.value).endswith("written as 000000000000...): damaged on disk after the save, or checksums.json "
+                                 "itself was changed")
+
+
 def test_a_checkpoint_without_checksums_still_resumes_and_exports_by_size(run, tmp_path, capsys):
     out, *_ = run
     newest = out / "checkpoints" / "step_00000010"

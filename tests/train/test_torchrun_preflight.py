@@ -1,5 +1,6 @@
 """Under torchrun every worker runs the preflight, but one process per job (global rank 0) verifies the checkpoints'
-bytes and sets damaged ones aside; the other ranks resume from the checkpoint it chose, or fail with its error."""
+bytes and sets damaged ones aside; the other ranks resume from the checkpoint it chose, or fail with its error.
+Rank 0 alone prints the config notes and an error every rank meets; torchrun decides the world (train.nproc)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def trained(tmp_path_factory):
     p, recs, outs = _torchrun(out, cache, root / "first", "--steps", "2")
     assert p.returncode == 0, p.stdout + p.stderr + "".join(outs)
     assert [c.name for c in sorted((out / "checkpoints").iterdir())] == ["step_00000001", "step_00000002"]
+    # the saved config records the world torchrun started, not the local launcher's default (0: one per GPU)
+    from moetrain.config import read_config_file
+    assert read_config_file(out / "config.toml")["train"]["nproc"] == 2
     return out, cache
 
 
@@ -94,13 +98,60 @@ def test_every_checkpoint_damaged_ends_every_rank_with_rank_0s_error(trained, tm
     assert p.returncode != 0
     assert [r["rc"] for r in recs] == [2, 2], outs
     errors = [[l for l in o.splitlines() if l.startswith("moetrain train: error:")] for o in outs]
-    assert len(errors[0]) == 1 and errors[0] == errors[1], outs
+    assert len(errors[0]) == 1 and errors[1] == [], outs  # rank 0's error, printed by rank 0 alone
     assert "no checkpoint in" in errors[0][0] and "verifies" in errors[0][0]
     assert "step_00000001" in errors[0][0] and "step_00000002" in errors[0][0]
     assert recs[1]["verified"] == []
     # nothing set aside when there is nothing to resume from, and no rank waited for a timeout
     assert sorted(c.name for c in (out / "checkpoints").iterdir()) == ["step_00000001", "step_00000002"]
     assert took < 60, took
+
+
+def test_an_nproc_other_than_torchruns_world_is_refused_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    p, recs, outs = _torchrun(out, tmp_path / "cache", tmp_path / "record", "--steps", "2", "--set", "train.nproc=4")
+    assert [r["rc"] for r in recs] == [2, 2], outs
+    errors = [l for l in outs[0].splitlines() if l.startswith("moetrain train: error:")]
+    assert errors == ["moetrain train: error: train.nproc=4 (--nproc) but torchrun started 2 processes "
+                      "(WORLD_SIZE=2): under torchrun, torchrun decides the world (--nnodes x --nproc-per-node); "
+                      "drop --nproc / train.nproc, or start 4 processes"], outs
+    assert not (out / "checkpoints").exists()
+
+
+def test_rank_0_alone_prints_the_config_notes_and_the_error_every_rank_meets(tmp_path):
+    p, recs, outs = _torchrun(tmp_path / "run", tmp_path / "cache", tmp_path / "record", "--steps", "2",
+                              "--set", "train.profile_steps=[99]", "--set", "train.nproc=4")
+    assert [r["rc"] for r in recs] == [2, 2], outs
+    assert [l for l in outs[0].splitlines() if l.startswith("[moetrain] note:")] == [
+        "[moetrain] note: train.profile_steps [99] lie past train.steps=2: no trace is written for them"], outs
+    assert len([l for l in outs[0].splitlines() if l.startswith("moetrain train: error: train.nproc=4")]) == 1
+    assert outs[1] == "", outs  # the same job, the same error: nothing more from rank 1
+
+
+def test_a_rank_prints_an_error_of_its_own(monkeypatch, capsys):
+    """Outside torchrun (no RANK) and on rank 0 every error is printed; on another rank only what it alone met."""
+    from moetrain import cli
+    from moetrain.errors import CheckpointError
+    from moetrain.train.rank0 import ThisRankOnly
+
+    def own(args):
+        raise CheckpointError("rank 1 sees no checkpoint where rank 0 chose step_2") from ThisRankOnly()
+
+    def shared(args):
+        raise CheckpointError("no checkpoint in out/checkpoints verifies")
+
+    for rank, fn, printed in ((None, shared, True), ("0", shared, True), ("1", shared, False), ("1", own, True)):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(cli, "cmd_train", fn)
+        assert cli.main(["train"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("moetrain train: error: ") == (1 if printed else 0), (rank, fn, err)
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["count", "nope"]) == 2  # only train runs under torchrun
+    assert "moetrain count: error: 'nope' is neither a preset" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ rank0_decides on its own, on 2 gloo ranks

@@ -197,7 +197,7 @@ def check_files(ckpt: Path, manifest: dict[str, FileSum], threads: int = 8) -> N
         got = file_sum(f)[1]
         if got != want:
             return (f"{f} does not match its checksum ({ALGORITHM} {got[:12]}..., written as {want[:12]}...): "
-                    f"damaged on disk after the save")
+                    f"damaged on disk after the save, or {MANIFEST} itself was changed")
         return None
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:

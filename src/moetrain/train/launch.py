@@ -40,7 +40,7 @@ from moetrain.train.checkpoint import (checkpoint_dir, has_checksums, latest_che
 from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
                                    check_schedule_unchanged)
-from moetrain.train.rank0 import rank0_decides
+from moetrain.train.rank0 import ThisRankOnly, rank0_decides
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -117,7 +117,8 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
     ``torchrun``: this process is one of torchrun's workers, each of which runs the preflight. Global rank 0 alone
     verifies the checkpoints' bytes, sets damaged ones aside, prints, and prepares the data first
     (:func:`moetrain.train.rank0.rank0_decides`); the others wait, check that they see the checkpoint it chose, and
-    reuse its prepared data; an error of rank 0 is raised on every rank with the same message.
+    reuse its prepared data; an error of rank 0 is raised on every rank with the same message (the CLI prints it on
+    rank 0 only); one that another rank alone meets has :class:`moetrain.train.rank0.ThisRankOnly` as its cause.
 
     Raises:
         ConfigError, DataError, CheckpointError: naming the problem and the fix.
@@ -149,8 +150,11 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
     if seen != ckpt:
         raise CheckpointError(f"rank {os.environ['RANK']} sees {seen or 'no checkpoint'} where rank 0 chose "
                               f"{ckpt or 'none'}: {job.train.out_dir} must be one directory on a file system that "
-                              f"every node shares (DCP reads the shards of every rank)")
-    return _check_and_prepare(job, world_size, ckpt, _quiet, PrepProgress(enabled=False))
+                              f"every node shares (DCP reads the shards of every rank)") from ThisRankOnly()
+    try:
+        return _check_and_prepare(job, world_size, ckpt, _quiet, PrepProgress(enabled=False))
+    except (ConfigError, DataError, CheckpointError) as e:  # rank 0 passed these checks: what this rank sees
+        raise type(e)(f"rank {os.environ['RANK']}: {e}") from ThisRankOnly()
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:
@@ -317,6 +321,20 @@ def _failure_message(e: Any, job: JobConfig, log_sizes: dict[int, int] | None = 
     return f"a training worker failed: {reason}; {hint}"
 
 
+def torchrun_world(job: JobConfig, world: int) -> JobConfig:
+    """``job`` with ``train.nproc`` = ``world``, torchrun's WORLD_SIZE: torchrun decides the world, and the run's saved
+    config records the world it trained on.
+
+    Raises:
+        ConfigError: ``train.nproc`` (``--nproc``, or a ``--plan``'s process count) is set to another count.
+    """
+    if job.train.nproc and job.train.nproc != world:
+        raise ConfigError(f"train.nproc={job.train.nproc} (--nproc) but torchrun started {world} processes "
+                          f"(WORLD_SIZE={world}): under torchrun, torchrun decides the world (--nnodes x "
+                          f"--nproc-per-node); drop --nproc / train.nproc, or start {job.train.nproc} processes")
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, nproc=world))
+
+
 def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
                plan: Any = None, gpu: str | None = None) -> dict[str, Any] | None:
     """Entry point of ``moetrain train``. Returns rank 0's summary (None on other torchrun ranks).
@@ -343,6 +361,7 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
         return dry_run_world(job, world, plan, gpu)
     if "RANK" in os.environ:  # under torchrun: this process is one worker
         world = int(os.environ["WORLD_SIZE"])
+        job = torchrun_world(job, world)
         try:
             prep = preflight(job, world, dry_run, torchrun=True)
         except BaseException:

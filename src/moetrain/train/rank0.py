@@ -11,6 +11,7 @@ global rank 0 only and broadcasts the outcome over a gloo group of its own, whos
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,6 +19,18 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+def is_rank0() -> bool:
+    """True on global rank 0 of a torchrun job, and in a process that torchrun did not start (no ``RANK``): the
+    process that prints a job's notes and errors once."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class ThisRankOnly(Exception):
+    """The ``__cause__`` of an error that a torchrun rank other than 0 raised on its own (what it alone sees, e.g. a
+    checkpoint rank 0 chose that it cannot see): the CLI prints that rank's line, where it leaves the errors that
+    rank 0 also raised (the same config, or rank 0's own passed on) to rank 0."""
+
 
 #: How long the other ranks wait for rank 0 (seconds). A rank 0 that fails sends its error, and one that dies ends
 #: the job through torchrun (or closes the connection): this bounds only a rank 0 that is stuck.
@@ -32,7 +45,7 @@ def rank0_decides(fn: Callable[[], tuple[T, Any]], what: str, passed_on: tuple[t
 
     ``what`` names the work in the messages ("checking the checkpoints"). An exception of ``fn`` is raised on rank 0
     and sent to the others: one of the ``passed_on`` classes is raised there again with the same message (the CLI
-    prints it as one line on every rank), any other as a RuntimeError naming its type.
+    prints it once, on rank 0), any other as a RuntimeError naming its type.
 
     Raises:
         whatever ``fn`` raises (rank 0), its ``passed_on`` class or RuntimeError (other ranks); RuntimeError on the

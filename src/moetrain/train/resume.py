@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moetrain.config import JobConfig
+from moetrain.config import JobConfig, read_config_file
 from moetrain.data.mixture import train_loader
 from moetrain.data.prepare import PreparedData
 from moetrain.data.tokenizer import file_sha256
 from moetrain.model.config import ConfigError
+from moetrain.train.config import TrainConfig
 from moetrain.train.optim import lr_at
 
 
@@ -133,3 +134,36 @@ def data_fingerprint(prep: PreparedData) -> dict[str, Any]:
     """What a checkpoint records of its data, for :func:`check_same_data`."""
     return {"tokenizer_sha256": file_sha256(prep.tokenizer_path), "tokenizer_vocab_size": prep.vocab_size,
             "data_key": Path(prep.data_dir).name}
+
+
+#: What beside a ``config.toml`` shows that its folder is a run directory (the trainer saves the job config there).
+RUN_DIR_MARKS = ("checkpoints", "metrics.jsonl")
+
+
+def check_run_config_copy(config: str | Path, out_given: bool, resume: bool) -> None:
+    """Refuse ``--config RUN/config.toml`` without ``--out`` when RUN is not the run that saved it.
+
+    The trainer saves the job, ``train.out_dir`` included, as ``config.toml`` in the run directory. A copied (or
+    moved) run directory keeps the original's ``out_dir``: training from the copy's config would write into the
+    original. So a ``config.toml`` that sits in a run directory (``checkpoints/`` or ``metrics.jsonl`` beside it)
+    and whose ``train.out_dir`` (relative to the working directory, as the trainer reads it) is another folder is
+    refused unless ``out_given`` (``--out`` or ``--set train.out_dir=``) says where to train. Other job files, and
+    a run's config used from the run's own folder, are not concerned.
+
+    Raises:
+        ConfigError: naming the file, the run that saved it, and the two ``--out`` choices.
+    """
+    p = Path(config)
+    here = p.parent
+    if out_given or p.name != "config.toml" or not any((here / m).exists() for m in RUN_DIR_MARKS):
+        return
+    out_dir = read_config_file(p).get("train", {}).get("out_dir", TrainConfig.out_dir)
+    orig = Path(out_dir).resolve()
+    if orig == here.resolve():
+        return
+    verb = "resume" if resume else "train in"
+    if not orig.exists():
+        raise ConfigError(f"{p} was saved by the run in {orig} (train.out_dir), which does not exist: this folder "
+                          f"was copied or moved; add --out {here} to {'resume it' if resume else 'train'} in this folder")
+    raise ConfigError(f"{p} was saved by the run in {orig} (train.out_dir); this folder is a copy: add --out {here} "
+                      f"to {verb} the copy, or --out {orig} to continue the original")

@@ -55,7 +55,9 @@ def autocast_dtype(job: JobConfig, device: torch.device) -> torch.dtype | None:
 
 
 def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
-    """Raise CheckpointError if ``ckpt`` was written for a different model architecture."""
+    """Raise CheckpointError if ``ckpt`` was written for a different model architecture; the message names the
+    run's saved ``config.toml`` (beside ``checkpoints/``) as the way to resume. Returns the checkpoint's trainer
+    state."""
     state = read_trainer_state(ckpt)
     # a run saved before there were families holds a DeepSeek-V3 model without the key
     saved = {"family": DEFAULT_FAMILY.value, **state.get("model_config", {})}
@@ -63,8 +65,12 @@ def check_checkpoint_compatible(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     diff = {f: (saved.get(f), v) for f, v in now.items() if f not in TRAINING_FIELDS and saved.get(f) != v}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in list(diff.items())[:6])
-        raise CheckpointError(f"checkpoint {ckpt} is from a different model ({shown}); use the same model config or "
-                              f"a fresh train.out_dir")
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+        way = (f"resume with the run's options, e.g. --config {run / 'config.toml'}"
+               if run is not None and (run / "config.toml").is_file()
+               else "resume with the model options the run was started with (--preset, --set model.*)")
+        raise CheckpointError(f"checkpoint {ckpt} is from a different model ({shown}); {way}, or train into a "
+                              f"fresh --out")
     return state
 
 
