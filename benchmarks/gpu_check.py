@@ -700,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated checks to run (default: all; see --list)")
     ap.add_argument("--list", action="store_true", help="print each check, one a line: its name, two spaces, what it "
                     "measures; then exit")
-    ap.add_argument("--budget-s", type=_at_least(BUDGET_MIN_S, float, False, f" (no check starts with under {BUDGET_MIN_S:g} s left)"),
+    budget_why = f" (no check starts with under {BUDGET_MIN_S:g} s left)"
+    ap.add_argument("--budget-s", type=_at_least(BUDGET_MIN_S, float, False, budget_why),
                     default=None,
                     help="stop starting checks after this many seconds, each check's limit cut to what is left "
                          f"(default on a GPU {GPU_BUDGET_S:g}, so the run stays within 8 minutes; none on CPU)")

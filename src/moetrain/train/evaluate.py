@@ -172,7 +172,8 @@ def _cache_hint(run: RunCheckpoint, folder: str) -> str:
                 f"from that directory")
     there = origin / cache / folder
     if there.is_dir():
-        return f"the run was trained in {origin}, whose cache holds it ({there}): cd {origin} and run moetrain eval there"
+        return (f"the run was trained in {origin}, whose cache holds it ({there}): cd {origin} and run moetrain "
+                f"eval there")
     return f"nor is it in {origin / cache}, the cache of {origin} where the run was trained; restore {there}"
 
 
