@@ -360,10 +360,12 @@ def add_eval_sample_parsers(sub: Any) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from moetrain.train.plot import plot_run
+    from moetrain.train.plot import not_drawn, plot_run, read_metrics
 
     for path in plot_run(args.run_dir, args.out):
         print(path)
+    for name, why in not_drawn(read_metrics(args.run_dir)).items():
+        print(f"not drawn: {name} ({why})")
     return 0
 
 
