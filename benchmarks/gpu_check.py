@@ -5,7 +5,7 @@ the path). Each check runs in a child process of its own, with a time limit, and
 finishes and written to the JSON file (rewritten after every check, so a crash or a kill keeps what came before).
 A check that fails or times out gives an ERROR / TIMEOUT row with the end of its output; the others still run.
 
-Checks (``--only NAME[,NAME]`` runs a subset; ``--list`` names them):
+Checks (``--only NAME[,NAME]`` runs a subset; ``--list`` prints these, one a line):
 
 * ``env``: torch, CUDA, NCCL, GPU, Python.
 * ``trainer``: ``moetrain train`` itself on one process over NCCL (gloo on CPU): EP 1 with the all-to-all
@@ -63,6 +63,8 @@ GPU_LIMIT_S = {"env": 60, "trainer": 240, "mfu": 240, "grouped_gemm": 45, "fp8_g
                "layers": 90, "attention": 45, "metrics": 60, "loss_gap": 180}
 #: Default ``--budget-s`` on a GPU: the run stops starting checks after this, to stay within 8 minutes.
 GPU_BUDGET_S = 470.0
+#: No check is started with less of ``--budget-s`` left (nor a smaller budget accepted).
+BUDGET_MIN_S = 15.0
 #: On CPU (the test suite, two shared cores).
 CPU_LIMIT_S = 240
 #: One ``moetrain train`` run of the trainer check (start-up, data preparation, steps, checkpoint).
@@ -591,6 +593,41 @@ CHECKS: dict[str, Callable[[bool, argparse.Namespace], Iterator[Row]]] = {
 }
 
 
+def check_descriptions() -> dict[str, str]:
+    """Each check's description for ``--list``: its bullet of the module docstring, joined onto one line."""
+    import re
+
+    bullets = re.findall(r"^\* ``(\w+)``: (.*?)(?=^\* |^$)", __doc__, re.M | re.S)
+    text = {name: " ".join(body.replace("``", "").split()) for name, body in bullets}
+    return {name: text.get(name, "") for name in CHECKS}
+
+
+def _at_least(low: float, kind: type, strict: bool, why: str = "") -> Callable[[str], Any]:
+    """An argparse type: ``kind(value)`` that is >= ``low`` (> ``low`` when ``strict``); ``why`` ends the error."""
+    def parse(value: str) -> Any:
+        try:
+            v = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if v < low or (strict and v == low):
+            raise argparse.ArgumentTypeError(f"{value} must be {'>' if strict else '>='} {low:g}{why}")
+        return v
+    return parse
+
+
+def _json_path_problem(path: Path) -> str | None:
+    """Why ``--json path`` could not be written (its folder missing or not writable, or it is a directory), checked
+    before any check runs, so that no result is lost to it; None when it can."""
+    p = path.expanduser().absolute()
+    if p.is_dir():
+        return f"--json {path} is a directory; name a file in it, e.g. --json {path / 'gpu_check.json'}"
+    if not p.parent.is_dir():
+        return f"--json {path}: the folder {p.parent} does not exist; create it (mkdir -p) or name another file"
+    if not os.access(p.parent, os.W_OK):
+        return f"--json {path}: the folder {p.parent} is not writable; name a file in a folder you can write"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the parent: one child per check, rows printed as they come
 # ----------------------------------------------------------------------------------------------------------------
@@ -656,20 +693,29 @@ def _failed(r: Row) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=50, help="training steps of the FP8 loss-gap check")
+    ap.add_argument("--steps", type=_at_least(1, int, strict=False), default=50,
+                    help="training steps of the FP8 loss-gap check (>= 1)")
     ap.add_argument("--quick", action="store_true", help="small sizes (implied without a GPU)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here as JSON (after every check)")
     ap.add_argument("--only", default="", help="comma-separated checks to run (default: all; see --list)")
-    ap.add_argument("--list", action="store_true", help="print the check names and exit")
-    ap.add_argument("--budget-s", type=float, default=None,
+    ap.add_argument("--list", action="store_true", help="print each check, one a line: its name, two spaces, what it "
+                    "measures; then exit")
+    budget_why = f" (no check starts with under {BUDGET_MIN_S:g} s left)"
+    ap.add_argument("--budget-s", type=_at_least(BUDGET_MIN_S, float, False, budget_why),
+                    default=None,
                     help="stop starting checks after this many seconds, each check's limit cut to what is left "
                          f"(default on a GPU {GPU_BUDGET_S:g}, so the run stays within 8 minutes; none on CPU)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mfu-case", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
-        print("\n".join(CHECKS))
+        width = max(map(len, CHECKS))
+        print("\n".join(f"{name:<{width}}  {text}" for name, text in check_descriptions().items()))
         return 0
+    problem = args.json is not None and not args.child and _json_path_problem(args.json)
+    if problem:
+        print(f"gpu_check.py: error: {problem}", file=sys.stderr)
+        return 2
     try:
         import torch
     except ImportError:
@@ -714,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.budget_s is not None:
             left = args.budget_s - (time.perf_counter() - t0)
-            if left < 15:
+            if left < BUDGET_MIN_S:
                 show({"check": name, "value": "not run", "detail": f"--budget-s {args.budget_s:g} spent"})
                 continue
             limit = min(limit, left)

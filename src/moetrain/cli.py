@@ -308,8 +308,10 @@ def _device(name: str) -> str:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from moetrain.train.evaluate import evaluate_run, write_json
+    from moetrain.train.evaluate import check_json_path, evaluate_run, write_json
 
+    if args.json:
+        check_json_path(args.json)  # before the evaluation: a bad path would lose its result
     report = evaluate_run(args.run_dir, args.data, step=args.step, device=_device(args.device),
                           micro_batch_size=args.micro_batch_size, max_batches=args.max_batches, nproc=args.nproc,
                           ep=args.ep, pp=args.pp, text_field=args.text_field)
@@ -366,10 +368,12 @@ def add_eval_sample_parsers(sub: Any) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from moetrain.train.plot import plot_run
+    from moetrain.train.plot import not_drawn, plot_run, read_metrics
 
     for path in plot_run(args.run_dir, args.out):
         print(path)
+    for name, why in not_drawn(read_metrics(args.run_dir)).items():
+        print(f"not drawn: {name} ({why})")
     return 0
 
 

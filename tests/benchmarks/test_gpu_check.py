@@ -31,7 +31,10 @@ def test_every_check_runs_on_cpu_and_names_what_it_skipped(tmp_path: Path):
     assert res["device"] == "CPU" and res["quick"] and res["failed"] == []
     groups = {r["group"] for r in res["rows"]}
     list_proc = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, check=True)
-    assert groups == set(list_proc.stdout.split()), groups
+    # --list: one check a line, its name, two spaces, what it measures
+    listed = dict(line.split("  ", 1) for line in list_proc.stdout.splitlines())
+    assert groups == {name.strip() for name in listed}, groups
+    assert all(text.strip() for text in listed.values()), listed
     checks = {r["check"].split(" (")[0].split(",")[0]: r for r in res["rows"]}
     for name in ("python / torch", "train step MFU", "grouped GEMM vs matmul", "MoE layer fwd+bwd",
                  "dense layer fwd+bwd", "attention core", "trainer: 6 steps", "trainer: resume to step 8",
@@ -73,6 +76,30 @@ def test_a_failing_or_hanging_check_keeps_the_others(tmp_path: Path):
 def test_unknown_check_is_refused_in_one_line(tmp_path: Path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown check(s) ['nope']" in proc.stderr
+
+
+def test_list_prints_each_checks_description(tmp_path: Path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, check=True)
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(_gpu_check_module().CHECKS)
+    assert "loss_gap      FP8 (both recipes) against bf16, loss of the tiny model after --steps steps." in lines
+    assert "env           torch, CUDA, NCCL, GPU, Python." in lines
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--json", "/nonexistent/dir/x.json"], "gpu_check.py: error: --json /nonexistent/dir/x.json: the folder "
+                                            "/nonexistent/dir does not exist"),
+    (["--json", "."], "--json . is a directory"),
+    (["--steps", "0"], "argument --steps: 0 must be >= 1"),
+    (["--budget-s", "-5"], "argument --budget-s: -5 must be >= 15"),
+    (["--budget-s", "0"], "argument --budget-s: 0 must be >= 15"),
+], ids=["json_folder", "json_dir", "steps", "budget_negative", "budget_zero"])
+def test_bad_options_are_refused_before_any_check(tmp_path: Path, args, needle):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--only", "env", *args], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr  # no check started
+    assert proc.stderr.strip().splitlines()[-1].startswith("gpu_check.py: error: "), proc.stderr
 
 
 def test_budget_spent_leaves_not_run_rows_and_a_failing_exit(tmp_path: Path):

@@ -70,7 +70,7 @@ class _Records(NullSink):
     def __init__(self) -> None:
         self.logged: list[StepMetrics] = []
 
-    def log_step(self, m: StepMetrics, pipelined: bool) -> None:
+    def log_step(self, m: StepMetrics, pipelined: bool, moves_tokens: bool = True) -> None:
         self.logged.append(m)
 
 

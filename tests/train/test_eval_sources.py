@@ -130,7 +130,7 @@ def test_eval_cli_without_data_prints_a_row_per_source(mix, capsys):
     ("{d}/missing.jsonl", ["--data {d}/missing.jsonl: data file", "does not exist", "check the path given to --data"]),
     ("{d}/nodir/", ["--data {d}/nodir/", "does not exist"]),
     ("hub:nosuchset", ["--data hub:nosuchset: not in the local Hugging Face datasets cache", "HF_DATASETS_OFFLINE=0"]),
-    ("{d}/emptydir", ["--data {d}/emptydir: datasets cannot read it"]),
+    ("{d}/emptydir", ["--data {d}/emptydir: the folder holds no data file", "save_to_disk"]),
     ("{d}/prose.jsonl,colour=red", ["--data=", "'colour=red' is not KEY=VALUE"]),
     ("{d}/prose.jsonl,weight=-1", ["--data", "weight must be a positive number"]),
 ], ids=["missing_file", "missing_dir", "hub_not_cached", "not_a_dataset", "bad_key", "bad_weight"])

@@ -169,7 +169,7 @@ def resolve_paths(patterns: Iterable[str | os.PathLike] | str | os.PathLike,
         source_kind(p)
     if all(p.stat().st_size == 0 for p in paths):
         listed = ", ".join(repr(str(p)) for p in paths[:5]) + (" ..." if len(paths) > 5 else "")
-        raise DataError(f"all {len(paths)} data file(s) are empty ({listed}); there is no text to train on")
+        raise DataError(f"all {len(paths)} data file(s) are empty ({listed}); there is no text in them; point {option} at files with text")
     return paths
 
 

@@ -182,6 +182,9 @@ def open_hf_source(src: DataSource, text_field: str, cache_dir: str | None, wher
                         f"datasets offline: fetch it once where there is a network (datasets.load_dataset"
                         f"({src.name!r}, {src.config!r}, cache_dir=...)) and point data.hf_cache_dir at that cache, "
                         "or set HF_DATASETS_OFFLINE=0 to let datasets download it") from e
+    except datasets.data_files.EmptyDatasetError as e:  # a folder without a file datasets reads
+        raise DataError(f"{where}: the folder holds no data file datasets reads ({type(e).__name__}); point it at a "
+                        "save_to_disk folder or one holding .parquet / .arrow / .jsonl / .csv / .txt files") from e
     except Exception as e:  # datasets raises FileNotFoundError, ValueError (unknown split/config), its own errors
         raise DataError(f"{where}: datasets cannot read it ({type(e).__name__}: {_first_line(e)})") from e
     _check_column(ds, text_field, where)

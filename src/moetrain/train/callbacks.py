@@ -114,10 +114,12 @@ class StepMetricsLogger(Callback):
     next step (a reset would divide the steps already in the window by a shorter time and inflate tokens/s)."""
 
     def __init__(self, ctx: ParallelContext, moe_layers: list[MoE], log_every: int, tokens_per_step: int,
-                 flops_per_token: float, peak_tflops: float, bubble_formula: float, pipelined: bool):
+                 flops_per_token: float, peak_tflops: float, bubble_formula: float, pipelined: bool,
+                 moves_tokens: bool = True):
         self.ctx, self.moe_layers, self.log_every = ctx, moe_layers, log_every
         self.tokens_per_step, self.flops_per_token, self.peak_tflops = tokens_per_step, flops_per_token, peak_tflops
         self.bubble_formula, self.pipelined = bubble_formula, pipelined
+        self.moves_tokens = moves_tokens  # ParallelConfig.moves_tokens: the console shows a2a and imbalance
         self.window_t: float | None = None
         self.paused_at: float | None = None
         self.step_t = 0.0
@@ -145,7 +147,7 @@ class StepMetricsLogger(Callback):
             m = self._metrics(loop, result)
             loop.train.append((loop.step, result.loss))
             loop.train_lm.append((loop.step, result.lm_loss))
-            loop.sink.log_step(m, self.pipelined)
+            loop.sink.log_step(m, self.pipelined, self.moves_tokens)
             # every rank resets at the same step: under PP the next record's figures of all stages cover one window
             for layer in self.moe_layers:
                 stats = layer.dispatcher.stats

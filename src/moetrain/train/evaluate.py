@@ -138,14 +138,43 @@ def run_validation(run: RunCheckpoint) -> list[tuple[str, np.ndarray]]:
     try:
         prep = prepared_data(run.job.data, folder)
     except DataError as e:
-        raise DataError(f"{e}: the run's validation split is read from the data.cache_dir it was trained with "
-                        "(relative to the directory it was trained in); run moetrain eval there, or name held-out "
-                        "text with --data PATH_OR_DIR_OR_hub:NAME") from None
+        raise DataError(f"{e}: {_cache_hint(run, folder)}, or name held-out text with --data "
+                        "PATH_OR_DIR_OR_hub:NAME") from None
     if prep.sources:
         return [(f"{s.label} (validation)", np.asarray(load_tokens(s.val_path), dtype=np.int64))
                 for s in prep.sources]
     label = ", ".join(map(str, run.job.data.paths)) or "built-in corpus"
     return [(f"{label} (validation)", np.asarray(load_tokens(prep.val_path), dtype=np.int64))]
+
+
+def trained_in(run: RunCheckpoint) -> Path | None:
+    """The directory the run was trained in, absolute: ``run_dir`` less the ``train.out_dir`` its job records,
+    when that was relative and ``run_dir`` still ends with it; None when it cannot be told (an absolute
+    ``out_dir``, or a run directory moved or renamed since)."""
+    out = Path(os.path.expanduser(run.job.train.out_dir))
+    here = run.run_dir.absolute().parts
+    n = len(out.parts)
+    if out.is_absolute() or ".." in out.parts or n == 0 or n >= len(here) or here[-n:] != out.parts:
+        return None
+    return Path(*here[:-n])
+
+
+def _cache_hint(run: RunCheckpoint, folder: str) -> str:
+    """Where the run's prepared data ``folder`` should be and how to evaluate there: the absolute
+    ``data.cache_dir`` when the job records one, else the one of the directory the run was trained in."""
+    cache = Path(os.path.expanduser(run.job.data.cache_dir))
+    if cache.is_absolute():
+        return f"the run was trained with data.cache_dir {cache}; restore {cache / folder}"
+    origin = trained_in(run)
+    if origin is None:
+        return (f"the run was trained with data.cache_dir {str(cache)!r}, relative to the directory it was trained "
+                f"in (which its recorded train.out_dir {run.job.train.out_dir!r} does not tell); run moetrain eval "
+                f"from that directory")
+    there = origin / cache / folder
+    if there.is_dir():
+        return (f"the run was trained in {origin}, whose cache holds it ({there}): cd {origin} and run moetrain "
+                f"eval there")
+    return f"nor is it in {origin / cache}, the cache of {origin} where the run was trained; restore {there}"
 
 
 def rank_batches(tokens: np.ndarray, seq_len: int, micro_batch_size: int, rank: int = 0, size: int = 1,
@@ -223,12 +252,14 @@ def evaluate_run(run_dir: str | os.PathLike, data: list[str] | None = None, step
     Raises:
         CheckpointError: no (verifiable) checkpoint. DataError: a source that cannot be read, or shorter than one
         window; no ``data`` and no recorded validation split. ConfigError: a malformed source spec; a layout that
-        does not fit the model or the processes; ``max_batches`` or ``micro_batch_size`` below 1.
+        does not fit the model or the processes; ``max_batches``, ``micro_batch_size``, ``nproc``, ``ep`` or ``pp``
+        below 1.
     """
     # Checked before anything is read: 0 batches reported loss 0 and perplexity 1 over 0 tokens, and a micro-batch
     # size of 0 silently meant the run's.
     for flag, v, unset in (("--max-batches", max_batches, "every window"),
-                           ("--micro-batch-size", micro_batch_size, "the run's")):
+                           ("--micro-batch-size", micro_batch_size, "the run's"),
+                           ("--nproc", nproc, "one process"), ("--ep", ep, "1"), ("--pp", pp, "1")):
         if v is not None and v < 1:
             raise ConfigError(f"{flag} {v} must be >= 1 (leave it out for {unset})")
     run = open_run(run_dir, step)
@@ -307,6 +338,26 @@ def _eval_worker(job_dict: dict[str, Any], ckpt: str, sources: list[np.ndarray],
         return out
     finally:
         shutdown()
+
+
+def check_json_path(path: str) -> None:
+    """Refuse a ``--json`` file that could not be written, before an evaluation is run for it: its folder missing
+    or not writable, or the path a directory ("-", standard output, passes).
+
+    Raises:
+        ConfigError: as above, naming the path and the fix.
+    """
+    if path == "-":
+        return
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise ConfigError(f"--json {path} is a directory; name a file in it, e.g. --json {Path(path) / 'eval.json'}")
+    if not p.parent.is_dir():
+        raise ConfigError(f"--json {path}: the folder {p.parent} does not exist; create it (mkdir -p) or name a file "
+                          f"in an existing folder")
+    if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"--json {path}: {p if p.exists() else p.parent} is not writable; name a file in a folder "
+                          f"you can write")
 
 
 def write_json(report: EvalReport, path: str) -> None:

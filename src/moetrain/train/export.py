@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,8 +20,10 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
     """The complete checkpoint of ``run_dir`` at ``step`` (default: the newest).
 
     Raises:
-        CheckpointError: no complete checkpoint (at that step), naming the ones there are.
+        CheckpointError: no complete checkpoint (at that step), naming the ones there are; ``run_dir`` is one
+            checkpoint's directory or a file (naming the run directory and step to pass instead).
     """
+    _refuse_inner_path(run_dir)
     root = checkpoint_dir(run_dir)
     if step is None and root.is_dir() and latest_checkpoint(run_dir) is None and list(root.glob(".tmp-step_*")):
         raise CheckpointError(f"{run_dir} holds only an interrupted checkpoint save ({root}/.tmp-*), no complete "
@@ -35,6 +38,58 @@ def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path
     if step not in done:
         raise CheckpointError(f"{run_dir} has no complete checkpoint at step {step}; complete steps: {done}")
     return root / f"step_{step:08d}"
+
+
+def _refuse_inner_path(run_dir: str | os.PathLike) -> None:
+    """Refuse a checkpoint directory (``RUN/checkpoints/step_<N>``) or a file given where the run directory is
+    expected, naming the run directory and ``--step`` to pass instead.
+
+    Raises:
+        CheckpointError: as above.
+    """
+    p = Path(run_dir)
+    inner = p.parent if p.is_file() else p
+    m = STEP_DIR.match(inner.name)
+    if m and inner.parent.name == "checkpoints":
+        what = "a file of a checkpoint" if p.is_file() else "a checkpoint directory"
+        raise CheckpointError(f"{run_dir} is {what}, not a run directory; pass the run directory "
+                              f"{inner.parent.parent} and --step {int(m.group(1))}")
+    if p.is_file():
+        hint = f" {p.parent}" if checkpoint_dir(p.parent).is_dir() else ""
+        raise CheckpointError(f"{run_dir} is a file, not a run directory; pass the run directory{hint} (the folder "
+                              f"`moetrain train --out` wrote, holding checkpoints/)")
+
+
+def verified_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> tuple[Path, dict[str, Any]]:
+    """:func:`find_checkpoint` checked as a resume checks it (:func:`verify_checkpoint`): (its path, its trainer
+    state). A damaged one is refused naming the newest other checkpoint of the run that verifies (each read whole,
+    newest first, until one does), so the message says which ``--step`` works.
+
+    Raises:
+        CheckpointError: as :func:`find_checkpoint`; a damaged checkpoint, with the ``--step`` to use instead or
+            saying that no checkpoint of the run verifies.
+    """
+    path = find_checkpoint(run_dir, step)
+    try:
+        return path, verify_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {_other_step_hint(run_dir, path)}") from None
+
+
+def _other_step_hint(run_dir: str | os.PathLike, damaged: Path) -> str:
+    """"use --step N" for the newest complete checkpoint of ``run_dir`` other than ``damaged`` that verifies, or
+    what to do when none does."""
+    others = [p for p in reversed(complete_checkpoints(run_dir)) if p.name != damaged.name]
+    for p in others:
+        try:
+            verify_checkpoint(p)
+        except CheckpointError:
+            continue
+        return f"use --step {int(STEP_DIR.match(p.name).group(1))} (the newest checkpoint of {run_dir} that verifies)"
+    if not others:
+        return f"{run_dir} has no other checkpoint; restore the file from a copy or retrain"
+    return (f"none of the other {len(others)} checkpoint(s) of {run_dir} verifies either; restore the files from a "
+            f"copy or retrain")
 
 
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
@@ -58,9 +113,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, step: int
     if out == run or out in run.parents:
         raise CheckpointError(f"the export directory {out_dir} would contain (and, replaced, delete) the run "
                               f"{run_dir} itself; export to a new directory, e.g. {Path(run_dir) / 'hf'}")
-    ckpt = find_checkpoint(run_dir, step)
     # the trainer's checks (marker, state, metadata, shard sizes, checksums), before writing anything
-    verify_checkpoint(ckpt)
+    ckpt, _ = verified_checkpoint(run_dir, step)
     if not has_checksums(ckpt):
         print(f"[moetrain] checkpoint {ckpt.name} has no checksums (written by an earlier moetrain): verified by file "
               f"sizes only")

@@ -19,8 +19,7 @@ from moetrain.data import Tokenizer, load_tokenizer
 from moetrain.errors import CheckpointError
 from moetrain.interop.dcp_read import BoxRequest, DCPReadError, checkpoint_tensors, read_boxes
 from moetrain.model.transformer import Transformer, build_model
-from moetrain.train.checkpoint import verify_checkpoint
-from moetrain.train.export import find_checkpoint
+from moetrain.train.export import verified_checkpoint
 
 
 @dataclass
@@ -55,10 +54,10 @@ def open_run(run_dir: str | os.PathLike, step: int | None = None) -> RunCheckpoi
     """The newest complete checkpoint of ``run_dir`` (or the one at ``step``), checked as a resume checks it.
 
     Raises:
-        CheckpointError: no such checkpoint, a damaged one, or one without the job it was trained with.
+        CheckpointError: no such checkpoint (or ``run_dir`` is a checkpoint's directory or a file), a damaged one
+            (naming the ``--step`` that verifies), or one without the job it was trained with.
     """
-    path = find_checkpoint(run_dir, step)
-    state = verify_checkpoint(path)
+    path, state = verified_checkpoint(run_dir, step)
     if "job" not in state:
         raise CheckpointError(f"{path}/trainer_state.json has no job config (written by an older moetrain); resume "
                               f"the run for one step with --resume to write a checkpoint that has it")

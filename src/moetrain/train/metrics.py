@@ -247,9 +247,12 @@ class StepMetrics:
         """The JSONL record: ``{"kind": "train", <field>: <value>, ...}`` (``peak_mem_kind`` as its string)."""
         return {"kind": "train", **asdict(self), "peak_mem_kind": self.peak_mem_kind.value}
 
-    def console_fields(self, pipelined: bool) -> list[LogField]:
+    def console_fields(self, pipelined: bool, moves_tokens: bool = True) -> list[LogField]:
         """The console line's labelled fields, in order; ``pipelined`` adds the measured and the formula's bubble.
-        A new figure is one more entry here (and its :data:`TRAIN_METRICS` row)."""
+        Without ``moves_tokens`` (EP 1 with the local dispatcher, :attr:`ParallelConfig.moves_tokens`) the
+        all-to-all and the time lost to imbalance are left out: no token leaves the rank, both are 0 by
+        construction (the JSONL keeps them). A new figure is one more entry here (and its :data:`TRAIN_METRICS`
+        row)."""
         f = LogField.of
         fields = [
             f("step", f"{self.step:>5}/{self.total_steps}"),
@@ -262,10 +265,10 @@ class StepMetrics:
             f("tflops_per_gpu", f"{self.tflops_per_gpu:.4f}"),
             f("mfu", f"{100 * self.mfu:.1f}%"),
             f("eta_s", format_duration(self.eta_s)),
-            f("a2a_s_per_step", f"{1e3 * self.a2a_s_per_step:.1f} ms/step ({100 * self.a2a_exposed_share:.0f}% "
-                                f"exposed = {100 * self.a2a_share_of_step:.1f}% of step)"),
+            *([f("a2a_s_per_step", f"{1e3 * self.a2a_s_per_step:.1f} ms/step ({100 * self.a2a_exposed_share:.0f}% "
+                                   f"exposed = {100 * self.a2a_share_of_step:.1f}% of step)")] if moves_tokens else []),
             f("load_imbalance_max", f"{self.load_imbalance_max:.2f}"),
-            f("imbalance_lost_share", f"{100 * self.imbalance_lost_share:.0f}% (imb)"),
+            *([f("imbalance_lost_share", f"{100 * self.imbalance_lost_share:.0f}% (imb)")] if moves_tokens else []),
             f("dropped_tokens", f"{self.dropped_tokens}"),
             f("peak_mem_gb", f"{self.peak_mem_gb:.2f} GB {self.peak_mem_kind.label}"),
         ]
@@ -274,9 +277,9 @@ class StepMetrics:
                                                 f"(formula {100 * self.pp_bubble_formula:.0f}%)"))
         return fields
 
-    def console_line(self, pipelined: bool) -> str:
+    def console_line(self, pipelined: bool, moves_tokens: bool = True) -> str:
         """The console's line of the step: :meth:`console_fields` joined by `` | ``."""
-        return " | ".join(map(str, self.console_fields(pipelined)))
+        return " | ".join(map(str, self.console_fields(pipelined, moves_tokens)))
 
 
 class MetricsSink:
@@ -339,10 +342,11 @@ class MetricsSink:
             for t in self.trackers:
                 t.log(scalars, record.get("step", 0))
 
-    def log_step(self, m: StepMetrics, pipelined: bool) -> None:
-        """One step's metrics: the JSONL record, its TensorBoard scalars and the console line."""
+    def log_step(self, m: StepMetrics, pipelined: bool, moves_tokens: bool = True) -> None:
+        """One step's metrics: the JSONL record, its TensorBoard scalars and the console line
+        (:meth:`StepMetrics.console_fields`)."""
         self.write(m.record())
-        self.print(m.console_line(pipelined))
+        self.print(m.console_line(pipelined, moves_tokens))
 
     def print(self, text: str) -> None:
         self.console.print(text, markup=False)
@@ -368,7 +372,7 @@ class NullSink:
     def write(self, record: dict[str, Any]) -> None:
         pass
 
-    def log_step(self, m: StepMetrics, pipelined: bool) -> None:
+    def log_step(self, m: StepMetrics, pipelined: bool, moves_tokens: bool = True) -> None:
         pass
 
     def print(self, text: str) -> None:

@@ -9,8 +9,10 @@ Three figures (:func:`build_figures` returns them for inspection, :func:`plot_ru
 * ``expert_share.png`` -- one panel per MoE layer: each routed expert's share of the layer's routed tokens
   (tokens of the expert / tokens of the layer) at every logged step; the colour is centred on the uniform share 1/E.
 * ``imbalance.png`` -- the share of the step lost to expert-load imbalance per MoE layer (and the step's) over the
-  logged steps, and beside it max/mean rows per EP rank per layer (``moetrain.parallel.imbalance``); runs with
-  expert parallelism only.
+  logged steps, and beside it max/mean rows per EP rank per layer (``moetrain.parallel.imbalance``); runs whose
+  tokens move between ranks only (EP > 1, or the all-to-all dispatcher at EP 1): at EP 1 with the local dispatcher
+  (the run record's ``"dispatcher": "local"``) nothing is lost to imbalance by construction, and the figure would be
+  a flat line at zero.
 
 Rows of ``expert_load`` in the train records are the model's ``moe_layers()`` order: the MoE blocks of the main model
 (transformer layers ``n_dense_layers .. n_layers-1``), then one per MTP module. The run record's model config names
@@ -50,6 +52,21 @@ def _run_config(records: list[dict]) -> dict[str, Any]:
         if r.get("kind") == "run" and isinstance(r.get("config"), dict):
             cfg = r["config"]
     return cfg
+
+
+def moves_tokens(records: list[dict]) -> bool:
+    """Whether the run's tokens move between ranks: its last run record's dispatcher is not "local" (EP 1 without
+    the all-to-all dispatcher, :attr:`moetrain.parallel.config.ParallelConfig.moves_tokens`); True without one."""
+    run = [r for r in records if r.get("kind") == "run"]
+    return not run or run[-1].get("dispatcher") != "local"
+
+
+def not_drawn(records: list[dict]) -> dict[str, str]:
+    """The figures of :data:`FILES` left out although their keys are in the records, by file name, with why."""
+    if moves_tokens(records):
+        return {}
+    return {"imbalance.png": "EP 1 with the local dispatcher: no token leaves its rank, so no time is lost to "
+                             "imbalance; metrics.jsonl keeps the zeros"}
 
 
 def _train_config(records: list[dict]) -> dict[str, Any]:
@@ -232,7 +249,7 @@ def build_figures(records: list[dict], title: str = "") -> dict[str, Any]:
         fig.suptitle(f"per-expert share of routed tokens per MoE layer (white = uniform 1/{E}, red = overloaded)")
         figs["expert_share.png"] = fig
 
-    fig = imbalance_figure(records)
+    fig = imbalance_figure(records) if "imbalance.png" not in not_drawn(records) else None
     if fig is not None:
         figs["imbalance.png"] = fig
     return figs

@@ -288,7 +288,7 @@ def _callbacks(job: JobConfig, prep: PreparedData, ctx: ParallelContext, model: 
         FiniteLoss(),
         StepMetricsLogger(ctx, [m for _, m in model.moe_layers()], tc.log_every, _tokens_per_step(job, ctx),
                           flops_per_token(job.model, job.data.seq_len).megatron, peak_tflops,
-                          bubble_formula(pcfg, tc.grad_accum), pcfg.pp > 1),
+                          bubble_formula(pcfg, tc.grad_accum), pcfg.pp > 1, pcfg.moves_tokens),
         Evaluation(lambda: evaluate(model, prep, job, ctx, amp), tc.eval_every),
         StopOnSignal(stop, tc.out_dir, ctx, report_stop),
         Checkpointing(tc.out_dir, tc.ckpt_every, tc.keep_ckpts, model, optimizer, ctx,
