@@ -316,8 +316,9 @@ def _summary(job: JobConfig, ctx: ParallelContext, loop: LoopState, peak_tflops:
                "checkpoint": str(ckpt) if ckpt else None, "stopped": loop.stopped, "end_step": loop.step,
                "tokens": tokens, "wall_s": wall, "train_s": loop.train_s, "tokens_per_s_per_gpu": tok_s_gpu,
                "mfu": mfu, "train_lm": loop.train_lm[-1][1] if loop.train_lm else None,
-               "val_loss": loop.val[-1][1] if loop.val else None, "metrics": metrics,
-               "val_loss_by_source": loop.val_by_source}
+               "val_loss": loop.val[-1][1] if loop.val else None, "metrics": metrics}
+    if loop.val_by_source:  # a mixture's (one stream's summary stays as it was)
+        summary["val_loss_by_source"] = loop.val_by_source
     how = (f"stopped ({loop.stopped['signal']}) at step {loop.step} of {tc.steps}" if loop.stopped
            else f"done: step {loop.step} of {tc.steps}")
     fields = [f"{steps_run} steps ({loop.start_step} -> {loop.step}) in {format_duration(wall)}",
