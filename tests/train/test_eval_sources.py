@@ -63,9 +63,15 @@ def mix(tmp_path_factory) -> dict[str, Path | str]:
     (d / "emptydir").mkdir()
     files = {"saved": str(saved), "prose": _jsonl(d / "prose.jsonl", prose),
              "code": _jsonl(d / "code.jsonl", code, "body"), "hfcache": str(d / "hfcache")}
-    cmd = [sys.executable, "-m", "moetrain", "train", "--out", str(d / "run"), "--nproc", "2", "--ep", "2",
-           "--steps", "2", "--source", f"{saved},weight={WEIGHTS[0]}",
-           "--source", f"{files['code']},weight={WEIGHTS[1]},text_field=body",
+    _train_mixture(d, d / "run", str(saved), files["code"], "--ep", "2", "--steps", "2")
+    return {**files, "run": d / "run", "dir": d, "prose_docs": prose, "code_docs": code}
+
+
+def _train_mixture(d: Path, out: Path, prose: str, code: str, *layout: str) -> None:
+    """Train on 2 processes at ``layout`` (and its steps) on the mixture prose:code = WEIGHTS, validating
+    EVAL_BATCHES batches and checkpointing at the last step."""
+    cmd = [sys.executable, "-m", "moetrain", "train", "--out", str(out), "--nproc", "2", *layout,
+           "--source", f"{prose},weight={WEIGHTS[0]}", "--source", f"{code},weight={WEIGHTS[1]},text_field=body",
            "--set", f'data.cache_dir="{d / "cache"}"', "--set", f'data.hf_cache_dir="{d / "hfcache"}"',
            "--set", "data.val_fraction=0.2", "--set", "data.vocab_size=512", "--set", "model.vocab_size=512",
            "--set", f"data.seq_len={SEQ}", "--set", f"train.micro_batch_size={MBS}",
@@ -74,7 +80,6 @@ def mix(tmp_path_factory) -> dict[str, Path | str]:
            "--set", "train.tensorboard=false", "--set", "train.threads_per_proc=1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr
-    return {**files, "run": d / "run", "dir": d, "prose_docs": prose, "code_docs": code}
 
 
 def _held_out_docs(mix, index: int, docs: list[str]) -> list[str]:
@@ -105,22 +110,31 @@ def test_own_validation_split_per_source_equals_the_file_eval_of_its_documents_a
     assert own.total.tokens == sum(s.tokens for s in own.sources)
 
 
-def test_the_trainers_validation_scores_every_source_and_logs_the_weighted_mean(mix):
-    """The EP-2 trainer gave source i n_i of eval_batches=3 batches per data rank (weights 2:1 -> 2 and 1), so it
-    scored the first 2 x n_i x MBS windows of that source's own validation split: eval's row with --max-batches
-    2 x n_i. It logged each source's loss and val_loss = (2 a + b) / 3. (It scored the first source's windows only,
-    of the file holding the sources' validation tokens one after the other.)"""
-    logged = [json.loads(line) for line in (mix["run"] / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=pytest.mark.slow)])
+def test_the_trainers_validation_scores_every_source_and_logs_the_weighted_mean(mix, layout):
+    """The trainer gave source i n_i of eval_batches=3 batches per data rank (weights 2:1 -> 2 and 1), so it
+    scored the first D x n_i x MBS windows of that source's own validation split (D data ranks: 2 at EP 2, 1 at
+    PP 2): eval's row with --max-batches D x n_i. It logged each source's loss and val_loss = (2 a + b) / 3. (It
+    scored the first source's windows only, of the file holding the sources' validation tokens one after the
+    other.)"""
+    run, dp = mix["run"], 2
+    if layout == "pp2":
+        run, dp = mix["dir"] / "run_pp2", 1
+        if not run.exists():
+            _train_mixture(mix["dir"], run, mix["saved"], mix["code"], "--pp", "2", "--steps", "2")
+    par = open_run(run).job.parallel
+    assert (par.ep, par.pp) == ((2, 1) if layout == "ep2" else (1, 2)), par
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rec = {r["step"]: r for r in logged if r.get("kind") == "val"}[2]
     counts = split_eval_batches(WEIGHTS, EVAL_BATCHES)
     assert counts == [2, 1]
     labels = [mix["saved"], mix["code"]]
     assert list(rec["val_loss_by_source"]) == labels
-    whole = evaluate_run(mix["run"]).sources
+    whole = evaluate_run(run).sources
     for i, (label, n, row) in enumerate(zip(labels, counts, whole)):
-        assert row.tokens > 2 * n * MBS * SEQ  # the trainer's share is a strict prefix of the split
-        part = evaluate_run(mix["run"], max_batches=2 * n).sources[i]
-        assert part.tokens == 2 * n * MBS * SEQ
+        assert row.tokens > dp * n * MBS * SEQ  # the trainer's share is a strict prefix of the split
+        part = evaluate_run(run, max_batches=dp * n).sources[i]
+        assert part.tokens == dp * n * MBS * SEQ
         assert math.isclose(rec["val_loss_by_source"][label], part.loss, rel_tol=1e-5), (label, part, rec)
         assert not math.isclose(part.loss, row.loss, rel_tol=1e-5)
     a, b = (rec["val_loss_by_source"][k] for k in labels)
