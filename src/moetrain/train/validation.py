@@ -41,12 +41,10 @@ class Validation:
         loss: the validation loss in nats per token (a mixture: the weight-averaged mean of ``by_source``).
         by_source: a mixture's per-source mean loss, {source label: nats per token}, in source order; empty for one
             stream.
-        batches_by_source: the micro-batches per data rank each source was scored on, {label: count}.
     """
 
     loss: float
     by_source: dict[str, float] = field(default_factory=dict)
-    batches_by_source: dict[str, int] = field(default_factory=dict)
 
 
 def split_eval_batches(weights: Sequence[float], eval_batches: int) -> list[int]:
@@ -132,5 +130,4 @@ def validate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: Paralle
     losses = [float(ce / max(n, 1)) for ce, n in total_S2.tolist()]
     w = np.asarray(weights, dtype=np.float64)
     loss = float(np.dot(w / w.sum(), losses))
-    labels = [s.label for s in prep.sources]
-    return Validation(loss, dict(zip(labels, losses)), dict(zip(labels, counts)))
+    return Validation(loss, {s.label: v for s, v in zip(prep.sources, losses)})
