@@ -2,7 +2,9 @@
 ``save_to_disk`` folder and a JSON-lines file with its own text key) is scored on its own validation split, one row
 per source, equal to the file-based eval of exactly those held-out documents, and over both to the validation loss
 the trainer logged; ``--data`` with a datasets folder, a hub name from the local cache and a plain file of the same
-text gives the same numbers; bad sources are one line naming ``--data``, exit 2."""
+text gives the same numbers; bad sources are one line naming ``--data``, exit 2. The trainer's validation (EP 2)
+scored each source on its own windows, as eval does with ``--max-batches`` its share, and logged their
+weight-averaged mean."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 datasets = pytest.importorskip("datasets")
 
@@ -23,10 +26,12 @@ from moetrain.cli import main  # noqa: E402
 from moetrain.data import DataError, load_tokens, prepared_data  # noqa: E402
 from moetrain.train.evaluate import evaluate_run, run_validation  # noqa: E402
 from moetrain.train.load import open_run  # noqa: E402
+from moetrain.train.trackers import tracker_scalars  # noqa: E402
+from moetrain.train.validation import split_eval_batches  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-SEQ, MBS = 32, 4
+SEQ, MBS, EVAL_BATCHES, WEIGHTS = 32, 2, 3, (2, 1)
 
 
 def _prose(n: int) -> list[str]:
@@ -46,7 +51,7 @@ def _jsonl(path: Path, docs: list[str], key: str = "text") -> str:
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory) -> dict[str, Path | str]:
     """The corpus (prose as a save_to_disk folder, as a .jsonl and in a hub cache as 'tinyprose'; code as a .jsonl
-    with key 'body') and a 2-step run on the mixture of the saved folder and the code file."""
+    with key 'body') and a 2-step EP-2 run on the mixture of the saved folder and the code file."""
     d = tmp_path_factory.mktemp("evalsrc")
     prose, code = _prose(100), _code(100)
     saved = d / "prose_saved"
@@ -59,16 +64,23 @@ def mix(tmp_path_factory) -> dict[str, Path | str]:
     (d / "emptydir").mkdir()
     files = {"saved": str(saved), "prose": _jsonl(d / "prose.jsonl", prose),
              "code": _jsonl(d / "code.jsonl", code, "body"), "hfcache": str(d / "hfcache")}
-    cmd = [sys.executable, "-m", "moetrain", "train", "--out", str(d / "run"), "--nproc", "1", "--steps", "2",
-           "--source", f"{saved},weight=2", "--source", f"{files['code']},weight=1,text_field=body",
+    _train_mixture(d, d / "run", str(saved), files["code"], "--ep", "2", "--steps", "2")
+    return {**files, "run": d / "run", "dir": d, "prose_docs": prose, "code_docs": code}
+
+
+def _train_mixture(d: Path, out: Path, prose: str, code: str, *layout: str) -> None:
+    """Train on 2 processes at ``layout`` (and its steps) on the mixture prose:code = WEIGHTS, validating
+    EVAL_BATCHES batches and checkpointing at the last step."""
+    cmd = [sys.executable, "-m", "moetrain", "train", "--out", str(out), "--nproc", "2", *layout,
+           "--source", f"{prose},weight={WEIGHTS[0]}", "--source", f"{code},weight={WEIGHTS[1]},text_field=body",
            "--set", f'data.cache_dir="{d / "cache"}"', "--set", f'data.hf_cache_dir="{d / "hfcache"}"',
            "--set", "data.val_fraction=0.2", "--set", "data.vocab_size=512", "--set", "model.vocab_size=512",
            "--set", f"data.seq_len={SEQ}", "--set", f"train.micro_batch_size={MBS}",
-           "--set", "train.eval_batches=1000", "--set", "train.eval_every=2", "--set", "train.ckpt_every=2",
+           "--set", f"train.eval_batches={EVAL_BATCHES}", "--set", "train.eval_every=2",
+           "--set", "train.ckpt_every=2",
            "--set", "train.tensorboard=false", "--set", "train.threads_per_proc=1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr
-    return {**files, "run": d / "run", "dir": d, "prose_docs": prose, "code_docs": code}
 
 
 def _held_out_docs(mix, index: int, docs: list[str]) -> list[str]:
@@ -97,11 +109,49 @@ def test_own_validation_split_per_source_equals_the_file_eval_of_its_documents_a
         assert math.isclose(s_own.loss, s_file.loss, rel_tol=1e-6), (s_own, s_file)
     assert own.sources[0].loss != own.sources[1].loss
     assert own.total.tokens == sum(s.tokens for s in own.sources)
-    # The trainer scored the two sources' held-out tokens one after the other (all windows: eval_batches is large).
-    logged = [json.loads(line) for line in (mix["run"] / "metrics.jsonl").read_text().splitlines()]
-    val = {r["step"]: r["val_loss"] for r in logged if r.get("kind") == "val"}[2]
-    both = evaluate_run(mix["run"], [_jsonl(mix["dir"] / "held_both.jsonl", held[0] + held[1])])
-    assert math.isclose(both.sources[0].loss, val, rel_tol=1e-5), (both.sources[0], val)
+
+
+# torch 2.11's pipeline schedules keep the no-grad receive buffers of a forward-only pass (the step-0 validation)
+# for the training steps after it, whose backward then fails ("gradients None ... expecting to send gradients");
+# main fails the same way there (a PP run validating at step 0); torch 2.13 re-initialises on the switch.
+_TORCH_LT_2_13 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+@pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=[pytest.mark.slow, pytest.mark.xfail(
+    _TORCH_LT_2_13, reason="torch < 2.13: a PP training step after a validation fails (pre-existing)")])])
+def test_the_trainers_validation_scores_every_source_and_logs_the_weighted_mean(mix, layout):
+    """The trainer gave source i n_i of eval_batches=3 batches per data rank (weights 2:1 -> 2 and 1), so it
+    scored the first D x n_i x MBS windows of that source's own validation split (D data ranks: 2 at EP 2, 1 at
+    PP 2): eval's row with --max-batches D x n_i. It logged each source's loss and val_loss = (2 a + b) / 3. (It
+    scored the first source's windows only, of the file holding the sources' validation tokens one after the
+    other.)"""
+    run, dp = mix["run"], 2
+    if layout == "pp2":
+        run, dp = mix["dir"] / "run_pp2", 1
+        if not run.exists():
+            _train_mixture(mix["dir"], run, mix["saved"], mix["code"], "--pp", "2", "--steps", "2")
+    par = open_run(run).job.parallel
+    assert (par.ep, par.pp) == ((2, 1) if layout == "ep2" else (1, 2)), par
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rec = {r["step"]: r for r in logged if r.get("kind") == "val"}[2]
+    counts = split_eval_batches(WEIGHTS, EVAL_BATCHES)
+    assert counts == [2, 1]
+    labels = [mix["saved"], mix["code"]]
+    assert list(rec["val_loss_by_source"]) == labels
+    whole = evaluate_run(run).sources
+    for i, (label, n, row) in enumerate(zip(labels, counts, whole)):
+        assert row.tokens > dp * n * MBS * SEQ  # the trainer's share is a strict prefix of the split
+        part = evaluate_run(run, max_batches=dp * n).sources[i]
+        assert part.tokens == dp * n * MBS * SEQ
+        assert math.isclose(rec["val_loss_by_source"][label], part.loss, rel_tol=1e-5), (label, part, rec)
+        assert not math.isclose(part.loss, row.loss, rel_tol=1e-5)
+    a, b = (rec["val_loss_by_source"][k] for k in labels)
+    assert a != b
+    assert math.isclose(rec["val_loss"], (WEIGHTS[0] * a + WEIGHTS[1] * b) / sum(WEIGHTS), rel_tol=1e-12), rec
+    assert math.isclose(rec["val_ppl"], math.exp(rec["val_loss"]), rel_tol=1e-12)
+    summary = logged[-1]
+    assert summary["kind"] == "summary" and summary["val_loss_by_source"] == rec["val_loss_by_source"]
+    assert {f"val/val_loss_by_source/{k.lstrip('/')}" for k in labels} <= set(tracker_scalars(rec))
 
 
 def test_datasets_folder_hub_name_and_file_of_the_same_text_agree(mix, monkeypatch, tmp_path):

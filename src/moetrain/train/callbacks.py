@@ -29,6 +29,7 @@ from moetrain.train.metrics import (ImbalanceWindow, MetricsSink, NullSink, Step
 from moetrain.train.runners import ModelParts
 from moetrain.train.step import StepResult
 from moetrain.train.stopping import StopRequest, resume_command, stop_line
+from moetrain.train.validation import Validation
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,6 +54,7 @@ class LoopState:
         train_lm: (step, LM loss) of every logged step (what validation is compared with).
         train_s: seconds this run spent in training steps (batches read, step run; evaluation and checkpoints not).
         wall_start: ``time.perf_counter()`` when this run's loop began (before the first evaluation).
+        val_by_source: a mixture's per-source validation losses of the last evaluation ({} for one stream).
     """
 
     steps: int
@@ -68,6 +70,7 @@ class LoopState:
     train_lm: list[tuple[int, float]] = field(default_factory=list)
     train_s: float = 0.0
     wall_start: float = field(default_factory=time.perf_counter)
+    val_by_source: dict[str, float] = field(default_factory=dict)
 
     @property
     def last(self) -> bool:
@@ -183,15 +186,16 @@ class StepMetricsLogger(Callback):
 class Evaluation(Callback):
     """Validation loss before the first step of a fresh run, every ``every`` steps and after the last (0: never)."""
 
-    def __init__(self, evaluate: Callable[[], float], every: int):
+    def __init__(self, evaluate: Callable[[], Validation], every: int):
         self.evaluate, self.every = evaluate, every
 
     def _run(self, loop: LoopState, step: int) -> None:
         v = self.evaluate()
-        loop.val.append((step, v))
-        loop.sink.write(val_record(step, v))
+        loop.val.append((step, v.loss))
+        loop.val_by_source = v.by_source
+        loop.sink.write(val_record(step, v.loss, v.by_source))
         # LM cross-entropy only, as the train line's "lm" (its loss adds the MTP and balance terms)
-        loop.sink.print(val_line(step, loop.steps, v))
+        loop.sink.print(val_line(step, loop.steps, v.loss))
 
     def pre_train(self, loop: LoopState) -> None:
         if self.every and loop.start_step == 0:

@@ -29,7 +29,8 @@ class TrainConfig:
         seed: model init seed (the data loader uses data.seed too).
         log_every: steps between metrics lines and records (the last step is always logged).
         eval_every: steps between validation losses (0 = never; also before the first step and after the last).
-        eval_batches: micro-batches per rank each validation runs on.
+        eval_batches: micro-batches per rank each validation runs on (a mixture: shared among its sources by
+            weight, at least one each, ``moetrain.train.validation``).
         ckpt_every: steps between checkpoints (0 = only at the end; a stop signal also writes one).
         keep_ckpts: how many complete checkpoints to keep (older ones are deleted).
         out_dir: run directory (metrics.jsonl, TensorBoard events, checkpoints/).

@@ -148,12 +148,21 @@ VAL_METRICS: tuple[Metric, ...] = (
     Metric("val_loss", "val lm loss", "next-token cross-entropy on the held-out split (LM only, as lm_loss)"),
     Metric("val_ppl", "val ppl", "exp(val_loss): the validation perplexity"),
 )
-METRICS: dict[str, Metric] = {m.key: m for m in TRAIN_METRICS + VAL_METRICS}
+#: The extra metric of a "val" record of a weighted mixture (``data.sources``; after the VAL_METRICS).
+VAL_MIXTURE_METRICS: tuple[Metric, ...] = (
+    Metric("val_loss_by_source", "val lm loss by source", "{source label: next-token cross-entropy on its own "
+           "held-out split}; val_loss is their mean weighted by the mixture's normalised weights"),
+)
+METRICS: dict[str, Metric] = {m.key: m for m in TRAIN_METRICS + VAL_METRICS + VAL_MIXTURE_METRICS}
 
 
-def val_record(step: int, val_loss: float) -> dict[str, Any]:
-    """The JSONL record of one validation: ``{"kind": "val", "step": ..., <VAL_METRICS keys>}``."""
-    return {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+def val_record(step: int, val_loss: float, by_source: dict[str, float] | None = None) -> dict[str, Any]:
+    """The JSONL record of one validation: ``{"kind": "val", "step": ..., <VAL_METRICS keys>}``, and for a mixture
+    (``by_source`` given) ``val_loss_by_source``: {source label: its loss}."""
+    rec = {"kind": "val", "step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}
+    if by_source:
+        rec["val_loss_by_source"] = dict(by_source)
+    return rec
 
 
 def val_line(step: int, total_steps: int, val_loss: float) -> str:

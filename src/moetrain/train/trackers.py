@@ -20,7 +20,8 @@ def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
     """The scalars of one metrics record under their tracker names: ``<kind>/<key>`` for every number of the record
     (``step`` itself excluded; booleans are not figures), and ``a2a/moe<m>/<phase>/{total,exposed}_s`` for the
     per-layer, per-phase all-to-all times of a "train" record, ``imbalance/moe<m>/{lost_share,ep_rows_max_over_mean}``
-    per MoE layer."""
+    per MoE layer, ``<kind>/val_loss_by_source/<source label>`` per source of a mixture's validation (an absolute
+    path's leading ``/`` dropped: an empty name part would make an empty group)."""
     kind = record.get("kind", "train")
     out = {f"{kind}/{k}": float(v) for k, v in record.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
@@ -32,6 +33,8 @@ def tracker_scalars(record: dict[str, Any]) -> dict[str, float]:
                               record.get("ep_rows_imbalance", [])):
         out[f"imbalance/moe{m}/lost_share"] = float(share)
         out[f"imbalance/moe{m}/ep_rows_max_over_mean"] = float(rows)
+    for label, loss in record.get("val_loss_by_source", {}).items():
+        out[f"{kind}/val_loss_by_source/{label.lstrip('/')}"] = float(loss)
     return out
 
 

@@ -13,17 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.accounting import flops_per_token
 from moetrain.config import JobConfig, save_job_config
-from moetrain.data import Loader, iter_eval_batches, train_loader
+from moetrain.data import Loader, train_loader
 from moetrain.data.prepare import PreparedData
 from moetrain.interop.hf import load_hf_checkpoint
 from moetrain.model.config import DEFAULT_FAMILY, TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
-from moetrain.parallel.comm import named_phase
 from moetrain.parallel.hang import hang_monitor
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
 from moetrain.parallel.parallelize import local_numel, materialize, parallelize
@@ -40,6 +38,7 @@ from moetrain.train.resume import data_fingerprint
 from moetrain.train.runners import ModelParts, Objective, build_runner
 from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure
 from moetrain.train.step import train_step
+from moetrain.train.validation import evaluate, validate  # noqa: F401 - evaluate: one stream's, importable from here
 
 
 def resolve_device(job: JobConfig) -> str:
@@ -82,28 +81,6 @@ def keep_tokenizer(prep: PreparedData, out_dir: str) -> Path:
     shutil.copyfile(prep.tokenizer_path, tmp)
     os.replace(tmp, dst)
     return dst
-
-
-def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
-             amp: torch.dtype | None) -> float:
-    """Mean next-token cross-entropy on the validation split (all ranks take part; global token-weighted mean),
-    run by the parts' step runner (pipelined: only the last stage counts)."""
-    model.train(False)
-    dispatch_stats = [m.dispatcher.stats for _, m in model.moe_layers()]
-    for st in dispatch_stats:  # validation's all-to-alls are not the training step's
-        st.recording = False
-    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in
-               iter_eval_batches(prep.val_path, job.data.seq_len, job.train.micro_batch_size, ctx.data_rank,
-                                 ctx.stage_size, job.train.eval_batches)]
-    with torch.no_grad(), named_phase("evaluation forward", ctx.distributed), \
-            torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
-        total = model.runner.eval_sums(batches)
-    if ctx.distributed:
-        dist.all_reduce(total)
-    model.train(True)
-    for st in dispatch_stats:
-        st.recording = True
-    return float(total[0] / total[1].clamp(min=1))
 
 
 def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: bool = True) -> dict[str, Any]:
@@ -289,7 +266,7 @@ def _callbacks(job: JobConfig, prep: PreparedData, ctx: ParallelContext, model: 
         StepMetricsLogger(ctx, [m for _, m in model.moe_layers()], tc.log_every, _tokens_per_step(job, ctx),
                           flops_per_token(job.model, job.data.seq_len).megatron, peak_tflops,
                           bubble_formula(pcfg, tc.grad_accum), pcfg.pp > 1, pcfg.moves_tokens),
-        Evaluation(lambda: evaluate(model, prep, job, ctx, amp), tc.eval_every),
+        Evaluation(lambda: validate(model, prep, job, ctx, amp), tc.eval_every),
         StopOnSignal(stop, tc.out_dir, ctx, report_stop),
         Checkpointing(tc.out_dir, tc.ckpt_every, tc.keep_ckpts, model, optimizer, ctx,
                       lambda: {"loader": loader.state_dict(), "model_config": job.model.to_dict(),
@@ -346,6 +323,8 @@ def _summary(job: JobConfig, ctx: ParallelContext, loop: LoopState, peak_tflops:
                "tokens": tokens, "wall_s": wall, "train_s": loop.train_s, "tokens_per_s_per_gpu": tok_s_gpu,
                "mfu": mfu, "train_lm": loop.train_lm[-1][1] if loop.train_lm else None,
                "val_loss": loop.val[-1][1] if loop.val else None, "metrics": metrics}
+    if loop.val_by_source:  # a mixture's (one stream's summary stays as it was)
+        summary["val_loss_by_source"] = loop.val_by_source
     how = (f"stopped ({loop.stopped['signal']}) at step {loop.step} of {tc.steps}" if loop.stopped
            else f"done: step {loop.step} of {tc.steps}")
     fields = [f"{steps_run} steps ({loop.start_step} -> {loop.step}) in {format_duration(wall)}",
@@ -355,6 +334,8 @@ def _summary(job: JobConfig, ctx: ParallelContext, loop: LoopState, peak_tflops:
     if loop.val:
         first = (f"{loop.val[0][1]:.4f} (step {loop.val[0][0]}) -> " if len(loop.val) > 1 else "")
         fields.append(f"val lm loss {first}{loop.val[-1][1]:.4f} (step {loop.val[-1][0]})")
+        if loop.val_by_source:  # a mixture's: val_loss is the weights' mean of these
+            fields.append("by source " + ", ".join(f"{k} {v:.4f}" for k, v in loop.val_by_source.items()))
     fields += [f"checkpoint {ckpt if ckpt else 'none written'}", f"metrics {metrics}"]
     loop.sink.print(f"[moetrain] {how} | " + " | ".join(fields))
     loop.sink.write({"kind": "summary", "step": loop.step, **{k: v for k, v in summary.items() if k != "train"}})
