@@ -36,9 +36,12 @@ def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (GLOBAL_SEQS, SEQ_LEN + 1), generator=g)
 
 
-def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4) -> dict[str, Any]:
+def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4, eval_first: bool = False
+                       ) -> dict[str, Any]:
     """Train ``steps`` steps of 4 micro-batches on deterministic data at the given layout (pp = 1: the whole
-    model); return the per-step losses, bubble figures and every parameter and buffer this rank holds, in full."""
+    model); return the per-step losses, bubble figures and every parameter and buffer this rank holds, in full.
+    ``eval_first``: a forward-only evaluation pass (the runner's ``eval_sums``, as the trainer's step-0 validation
+    runs it) before the first step."""
     from moetrain.train.trainer import build_model_parts
 
     job = pipeline_job(pcfg_kwargs, n_layers)
@@ -48,6 +51,12 @@ def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4) -> 
     mp = build_model_parts(job, ctx, None)
     opt = build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
     losses, bubbles = [], []
+    if eval_first:
+        data = batch(99, job.model.vocab_size)[ctx.data_rank * per:(ctx.data_rank + 1) * per]
+        mp.train(False)
+        with torch.no_grad():
+            mp.runner.eval_sums([(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(ACCUM)])
+        mp.train(True)
     for step in range(steps):
         data = batch(step, job.model.vocab_size)[ctx.data_rank * per:(ctx.data_rank + 1) * per]
         mbs = [(c[:, :-1].contiguous(), c[:, 1:].contiguous()) for c in data.chunk(ACCUM)]

@@ -51,6 +51,17 @@ def test_pipelined_training_matches_single_process(reference, pp, vpp, dp, ep, s
             assert total > 0 and 0 <= bubble <= total
 
 
+@pytest.mark.dist
+@pytest.mark.parametrize("pp,vpp,schedule", [(2, 1, "1f1b"), (2, 2, "interleaved")])
+def test_a_validation_before_the_first_step_leaves_training_unchanged(reference, pp, vpp, schedule):
+    """The trainer validates at step 0, before any training step. On torch 2.11 a forward-only first call left the
+    stages' receive buffers without requires_grad and the first training step failed ("gradients None ...
+    expecting to send gradients", parallel/torch_compat.recv_buffers_ready_for_backward); the steps after the
+    validation must equal the single process's."""
+    kw = {"pp": pp, "vpp": vpp, "dp": 1, "ep": 1, "schedule": schedule}
+    _check_against(reference, ok_values(run_ranks(pp, pipeline_train_run, kw, 3, 4, True)), kw)
+
+
 def test_default_layout_and_stage_mapping():
     cfg = tiny_test_config(n_layers=6)
     assert default_layout(cfg, 4) == "Ett|tt|t|t" + "m" * cfg.mtp_depth + "L"

@@ -111,14 +111,7 @@ def test_own_validation_split_per_source_equals_the_file_eval_of_its_documents_a
     assert own.total.tokens == sum(s.tokens for s in own.sources)
 
 
-# torch 2.11's pipeline schedules keep the no-grad receive buffers of a forward-only pass (the step-0 validation)
-# for the training steps after it, whose backward then fails ("gradients None ... expecting to send gradients");
-# main fails the same way there (a PP run validating at step 0); torch 2.13 re-initialises on the switch.
-_TORCH_LT_2_13 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
-
-
-@pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=[pytest.mark.slow, pytest.mark.xfail(
-    _TORCH_LT_2_13, reason="torch < 2.13: a PP training step after a validation fails (pre-existing)")])])
+@pytest.mark.parametrize("layout", ["ep2", pytest.param("pp2", marks=pytest.mark.slow)])
 def test_the_trainers_validation_scores_every_source_and_logs_the_weighted_mean(mix, layout):
     """The trainer gave source i n_i of eval_batches=3 batches per data rank (weights 2:1 -> 2 and 1), so it
     scored the first D x n_i x MBS windows of that source's own validation split (D data ranks: 2 at EP 2, 1 at

@@ -29,7 +29,8 @@ from moetrain.parallel.overlap import pair_schedule, paired_stage
 from moetrain.parallel.parallelize import local_tensor
 from moetrain.parallel.schedules import check_microbatches, one_f_one_b_order
 from moetrain.parallel.timing import clock_for
-from moetrain.parallel.torch_compat import keep_split_backward_graph, without_self_p2p_warmup
+from moetrain.parallel.torch_compat import (keep_split_backward_graph, recv_buffers_ready_for_backward,
+                                           without_self_p2p_warmup)
 
 
 # ---- layout ------------------------------------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def stage_class(base: type, ep_overlap: bool) -> type:
     """The stage class :func:`build_schedule` instantiates: ``base`` (torch's ``PipelineStage``) timed per chunk
     (:func:`_timed`), with the torch-version fixes of :mod:`moetrain.parallel.torch_compat`, and paired for
     ``ep_overlap`` (:func:`moetrain.parallel.overlap.paired_stage`)."""
-    cls = keep_split_backward_graph(without_self_p2p_warmup(_timed(base)))
+    cls = recv_buffers_ready_for_backward(keep_split_backward_graph(without_self_p2p_warmup(_timed(base))))
     return paired_stage(cls) if ep_overlap else cls
 
 

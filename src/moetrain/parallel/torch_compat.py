@@ -9,6 +9,7 @@ and NamedTuples (``moetrain.model.transformer.ModelOutput``), and pipeline stage
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -91,3 +92,31 @@ def keep_split_backward_graph(stage_cls: type) -> type:
 
     KeepGraph.__name__ = KeepGraph.__qualname__ = stage_cls.__name__
     return KeepGraph
+
+
+def recv_buffers_ready_for_backward(stage_cls: type) -> type:
+    """A ``PipelineStage`` subclass whose activation receive buffers require grad even when the schedule's first
+    call is forward-only.
+
+    torch 2.11 prepares a stage's forward infrastructure once, on the schedule's first call, and gives the receive
+    buffers ``requires_grad`` only if that call has a backward (``stage.has_backward``). A first call through
+    ``eval()`` -- validation at step 0 -- left them without it, and the first training step then failed on the
+    stage after the first ("for chunk 0 has gradients None and is expecting to send gradients to stage 0"). torch
+    2.13 notices the switch between eval and training and prepares again (its ``_prepare_forward_infra`` takes
+    ``has_backward``); there the class is returned unchanged. Evaluation runs under ``no_grad``, where a buffer's
+    ``requires_grad`` changes nothing.
+    """
+    if "has_backward" in inspect.signature(stage_cls._prepare_forward_infra).parameters:
+        return stage_cls
+
+    class RecvForBackward(stage_cls):  # type: ignore[misc, valid-type]
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            had = self.has_backward
+            self.has_backward = True
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                self.has_backward = had
+
+    RecvForBackward.__name__ = RecvForBackward.__qualname__ = stage_cls.__name__
+    return RecvForBackward
