@@ -106,7 +106,9 @@ def recv_buffers_ready_for_backward(stage_cls: type) -> type:
     ``has_backward``); there the class is returned unchanged. Evaluation runs under ``no_grad``, where a buffer's
     ``requires_grad`` changes nothing.
     """
-    if "has_backward" in inspect.signature(stage_cls._prepare_forward_infra).parameters:
+    from torch.distributed.pipelining import PipelineStage
+
+    if "has_backward" in inspect.signature(PipelineStage._prepare_forward_infra).parameters:  # torch's version
         return stage_cls
 
     class RecvForBackward(stage_cls):  # type: ignore[misc, valid-type]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
+
 def is_rank0() -> bool:
     """True on global rank 0 of a torchrun job, and in a process that torchrun did not start (no ``RANK``): the
     process that prints a job's notes and errors once."""
