@@ -71,17 +71,9 @@ def imbalance_pipeline_run(pcfg_kwargs: dict) -> dict[str, Any]:
     :data:`SKEWED_EXPERTS` (no bias update). Returns each step's imbalance figures, expert loads and all-to-all figures
     (accumulated since the start: nothing resets the dispatchers' timers here) with their metrics fields on this
     rank."""
-    from moetrain.train.optim import build_optimizers
-    from moetrain.train.trainer import build_model_parts
+    from .pipeline_workers import ACCUM, GLOBAL_SEQS as PP_SEQS, batch, pipeline_model
 
-    from .pipeline_workers import ACCUM, GLOBAL_SEQS as PP_SEQS, batch, pipeline_job
-
-    job = pipeline_job(pcfg_kwargs)
-    ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
-    per = PP_SEQS // ctx.stage_size
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // ACCUM))
-    mp = build_model_parts(job, ctx, None)
-    opt = build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+    job, ctx, per, mp, opt = pipeline_model(pcfg_kwargs)
     out: list[dict[str, Any]] = []
     for step in range(2):
         if step == 1:

@@ -36,12 +36,9 @@ def batch(step: int, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (GLOBAL_SEQS, SEQ_LEN + 1), generator=g)
 
 
-def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4, eval_first: bool = False
-                       ) -> dict[str, Any]:
-    """Train ``steps`` steps of 4 micro-batches on deterministic data at the given layout (pp = 1: the whole
-    model); return the per-step losses, bubble figures and every parameter and buffer this rank holds, in full.
-    ``eval_first``: a forward-only evaluation pass (the runner's ``eval_sums``, as the trainer's step-0 validation
-    runs it) before the first step."""
+def pipeline_model(pcfg_kwargs: dict, n_layers: int = 4) -> tuple[JobConfig, Any, int, Any, Any]:
+    """The pipeline tests' job at the given layout with the trainer's model parts and optimizer: (job with the
+    micro-batch size of this layout, parallel context, sequences per data rank, model parts, optimizer)."""
     from moetrain.train.trainer import build_model_parts
 
     job = pipeline_job(pcfg_kwargs, n_layers)
@@ -49,7 +46,16 @@ def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4, eva
     per = GLOBAL_SEQS // ctx.stage_size
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // ACCUM))
     mp = build_model_parts(job, ctx, None)
-    opt = build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+    return job, ctx, per, mp, build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+
+
+def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4, eval_first: bool = False
+                       ) -> dict[str, Any]:
+    """Train ``steps`` steps of 4 micro-batches on deterministic data at the given layout (pp = 1: the whole
+    model); return the per-step losses, bubble figures and every parameter and buffer this rank holds, in full.
+    ``eval_first``: a forward-only evaluation pass (the runner's ``eval_sums``, as the trainer's step-0 validation
+    runs it) before the first step."""
+    job, ctx, per, mp, opt = pipeline_model(pcfg_kwargs, n_layers)
     losses, bubbles = [], []
     if eval_first:
         data = batch(99, job.model.vocab_size)[ctx.data_rank * per:(ctx.data_rank + 1) * per]
@@ -83,14 +89,8 @@ def pipeline_checkpoint_run(pcfg_kwargs: dict, run_dir: str, save: bool) -> dict
     """save=True: train steps 0-1, checkpoint, train step 2. save=False: load that checkpoint (written at any
     layout), then train step 2. Returns the full parameters right after the checkpoint and the step-2 loss."""
     from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from moetrain.train.trainer import build_model_parts
 
-    job = pipeline_job(pcfg_kwargs)
-    ctx = init_parallel(job.parallel, job.model.n_routed_experts, "cpu")
-    per = GLOBAL_SEQS // ctx.stage_size
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // ACCUM))
-    mp = build_model_parts(job, ctx, None)
-    opt = build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+    job, ctx, per, mp, opt = pipeline_model(pcfg_kwargs)
 
     def step(i: int) -> float:
         data = batch(i, job.model.vocab_size)[ctx.data_rank * per:(ctx.data_rank + 1) * per]
