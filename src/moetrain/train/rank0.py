@@ -10,6 +10,7 @@ global rank 0 only and broadcasts the outcome over a gloo group of its own, whos
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -52,10 +53,10 @@ def rank0_decides(fn: Callable[[], tuple[T, Any]], what: str, passed_on: tuple[t
         whatever ``fn`` raises (rank 0), its ``passed_on`` class or RuntimeError (other ranks); RuntimeError on the
         other ranks when rank 0 ended without an answer or sent none within ``timeout_s`` seconds.
     """
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
+    if dist.get_rank() == 0:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            box: list[Any] = [None]
             try:
                 mine, everyone = fn()
             except Exception as e:
@@ -67,21 +68,38 @@ def rank0_decides(fn: Callable[[], tuple[T, Any]], what: str, passed_on: tuple[t
             box[0] = ("ok", everyone)
             dist.broadcast_object_list(box, src=0, group=group)
             return mine, everyone
-        t0 = time.monotonic()
-        try:
-            dist.broadcast_object_list(box, src=0, group=group)
-        except RuntimeError:
-            waited = time.monotonic() - t0
-            if waited >= 0.9 * timeout_s:
-                raise RuntimeError(f"rank {dist.get_rank()} waited {waited:.0f} s for rank 0 {what} (rank 0 alone "
-                                   f"does it for the job): rank 0 is stuck; see its output") from None
-            raise RuntimeError(f"rank {dist.get_rank()}: rank 0 ended while {what}, without a result; see its "
-                               f"output") from None
-        status, *rest = box[0]
-        if status == "ok":
-            return None, rest[0]
-        name, msg = rest
-        cls = next((c for c in passed_on if c.__name__ == name), RuntimeError)
-        raise cls(msg)
+        finally:
+            dist.destroy_process_group(group)
+    status, *rest = _answer_of_rank0(what, timeout_s)
+    if status == "ok":
+        return None, rest[0]
+    name, msg = rest
+    cls = next((c for c in passed_on if c.__name__ == name), RuntimeError)
+    raise cls(msg)
+
+
+def _answer_of_rank0(what: str, timeout_s: float) -> tuple[Any, ...]:
+    """On a rank other than 0: the tuple rank 0 broadcast (status first).
+
+    Raises:
+        RuntimeError: rank 0 ended without an answer, or sent none within ``timeout_s`` seconds (a rank 0 that
+            died takes the job's TCPStore with it, so even joining the group can fail: ``DistNetworkError``).
+    """
+    t0 = time.monotonic()
+    group = None
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    except RuntimeError:  # gloo's errors and torch.distributed.DistError both
+        waited = time.monotonic() - t0
+        if waited >= 0.9 * timeout_s:
+            raise RuntimeError(f"rank {dist.get_rank()} waited {waited:.0f} s for rank 0 {what} (rank 0 alone "
+                               f"does it for the job): rank 0 is stuck; see its output") from None
+        raise RuntimeError(f"rank {dist.get_rank()}: rank 0 ended while {what}, without a result; see its "
+                           f"output") from None
     finally:
-        dist.destroy_process_group(group)
+        if group is not None:
+            with contextlib.suppress(RuntimeError):  # rank 0 may be gone, and its store with it
+                dist.destroy_process_group(group)
