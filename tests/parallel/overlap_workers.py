@@ -31,7 +31,7 @@ def overlap_events_run(pcfg_kwargs: dict, n_micro: int = ACCUM, n_layers: int = 
     r = train_step(mp, opt, mbs, job.model, ctx, events=events)
     phases = [dict(m.dispatcher.stats.by_phase) for _, m in mp.moe_layers()]
     # Validation as the trainer runs it (under the V schedules: a training step with a zero loss).
-    from moetrain.train.trainer import evaluate
+    from moetrain.train.validation import evaluate
     val_tokens = batch(99, job.model.vocab_size).flatten().numpy()
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, eval_batches=2))
     val = evaluate(mp, SimpleNamespace(val_path=val_tokens), job, ctx, None)

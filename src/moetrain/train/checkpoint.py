@@ -234,11 +234,15 @@ def has_checksums(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def resume_checkpoint(out_dir: str | Path, checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+def resume_checkpoint(out_dir: str | Path, checksums: bool = True, exclude: Path | None = None
+                      ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint of ``out_dir`` that verifies (:func:`verify_checkpoint`, reading every byte
-    with ``checksums``), and the newer ones skipped, each with the reason. (None, skipped) when none verifies."""
+    with ``checksums``), and the newer ones skipped, each with the reason. (None, skipped) when none verifies.
+    ``exclude``: a checkpoint left out (not read), e.g. one already found damaged."""
     skipped = []
     for p in reversed(complete_checkpoints(out_dir)):
+        if exclude is not None and p.name == exclude.name:
+            continue
         try:
             verify_checkpoint(p, checksums)
         except CheckpointError as e:

@@ -13,7 +13,7 @@ import torch
 from moetrain.errors import CheckpointError
 from moetrain.interop.export import export_checkpoint
 from moetrain.train.checkpoint import (STEP_DIR, checkpoint_dir, complete_checkpoints, has_checksums,
-                                       latest_checkpoint, verify_checkpoint)
+                                       latest_checkpoint, resume_checkpoint, verify_checkpoint)
 
 
 def find_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> Path:
@@ -79,16 +79,13 @@ def verified_checkpoint(run_dir: str | os.PathLike, step: int | None = None) -> 
 def _other_step_hint(run_dir: str | os.PathLike, damaged: Path) -> str:
     """"use --step N" for the newest complete checkpoint of ``run_dir`` other than ``damaged`` that verifies, or
     what to do when none does."""
-    others = [p for p in reversed(complete_checkpoints(run_dir)) if p.name != damaged.name]
-    for p in others:
-        try:
-            verify_checkpoint(p)
-        except CheckpointError:
-            continue
-        return f"use --step {int(STEP_DIR.match(p.name).group(1))} (the newest checkpoint of {run_dir} that verifies)"
-    if not others:
+    found, failed = resume_checkpoint(run_dir, exclude=damaged)
+    if found is not None:
+        return (f"use --step {int(STEP_DIR.match(found.name).group(1))} (the newest checkpoint of {run_dir} that "
+                f"verifies)")
+    if not failed:
         return f"{run_dir} has no other checkpoint; restore the file from a copy or retrain"
-    return (f"none of the other {len(others)} checkpoint(s) of {run_dir} verifies either; restore the files from a "
+    return (f"none of the other {len(failed)} checkpoint(s) of {run_dir} verifies either; restore the files from a "
             f"copy or retrain")
 
 

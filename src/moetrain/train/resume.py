@@ -6,6 +6,7 @@ prepared data's key); ``moetrain train --resume`` compares them with the new job
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def check_schedule_unchanged(ckpt: Path, state: dict[str, Any], job: JobConfig) 
                       schedule=tc.schedule))
 
     # Only the steps still to run matter: e.g. a run still in its warm-up extended by a few steps keeps every LR
-    first = next((s for s in range(step, tc.steps) if lrs(s)[0] != lrs(s)[1]), None)
+    first = next((s for s in range(step, tc.steps) if operator.ne(*lrs(s))), None)
     if first is None:
         return
 

@@ -38,7 +38,7 @@ from moetrain.train.resume import data_fingerprint
 from moetrain.train.runners import ModelParts, Objective, build_runner
 from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure
 from moetrain.train.step import train_step
-from moetrain.train.validation import evaluate, validate  # noqa: F401 - evaluate: one stream's, importable from here
+from moetrain.train.validation import validate
 
 
 def resolve_device(job: JobConfig) -> str:
