@@ -114,6 +114,32 @@ class Recompute(Name):
     FULL = "full"
 
 
+class RecomputeModule(Name):
+    """What a selective recompute can cover, named and meant as Megatron-Core's ``--recompute-modules``
+    (megatron/core/transformer/transformer_config.py ``recompute_modules``)."""
+
+    #: the attention kernel: its inputs (q, k, v) are kept, its output and softmax statistics recomputed
+    CORE_ATTN = "core_attn"
+    #: MLA's up-projections and RoPE, and the per-head q, k, v built from them (MLA only: GQA has none)
+    MLA_UP_PROJ = "mla_up_proj"
+    #: the RMSNorms before attention and FFN: their outputs, which the next projections keep, are recomputed
+    LAYERNORM = "layernorm"
+    #: the dense SwiGLU FFN of the dense layers
+    MLP = "mlp"
+    #: the whole MoE FFN from its input: router, dispatch, experts, combine (its all-to-alls run again)
+    MOE = "moe"
+    #: the routed experts' SwiGLU: its input is kept and its output recomputed
+    MOE_ACT = "moe_act"
+    #: the shared experts' FFN
+    SHARED_EXPERTS = "shared_experts"
+
+
+#: Selective recompute with no module list: the planner's default set.
+DEFAULT_RECOMPUTE_MODULES = (RecomputeModule.LAYERNORM, RecomputeModule.MLA_UP_PROJ)
+#: Older spellings of recompute modules (this package's first names): "norm" = "layernorm".
+RECOMPUTE_MODULE_ALIASES = {"norm": RecomputeModule.LAYERNORM.value}
+
+
 class Precision(Name):
     """GEMM (and, for the narrower fields, attention and dispatch) precision. The output head stays BF16 and the
     router FP32 in every precision, as in Megatron and DeepSeek-V3."""

@@ -46,7 +46,7 @@ def pipeline_model(pcfg_kwargs: dict, n_layers: int = 4) -> tuple[JobConfig, Any
     per = GLOBAL_SEQS // ctx.stage_size
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, micro_batch_size=per // ACCUM))
     mp = build_model_parts(job, ctx, None)
-    return job, ctx, per, mp, build_optimizers(mp.parts, lr=3e-3, eps=1e-5)
+    return job, ctx, per, mp, build_optimizers(mp.parts, lr=3e-3, eps=1e-5, states=job.parallel.optimizer)
 
 
 def pipeline_train_run(pcfg_kwargs: dict, steps: int = 3, n_layers: int = 4, eval_first: bool = False

@@ -9,14 +9,16 @@ dim, K / N a GEMM's inner / output dim, C rows per expert of a padded batch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetrain import devices
+from moetrain.layout import RecomputeModule
 from moetrain.model.phases import current_tape, weight_grad
+from moetrain.model.recompute import DroppedOutputs, Recomputable, checkpointed
 from moetrain.precision.grouped import fp8_expert_swiglu
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,7 +170,7 @@ class ExpertReplicas(Protocol):
     def slot_weights(self, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(Recomputable, nn.Module):
     """Routed experts with stacked SwiGLU weights, computed as grouped GEMMs over rows sorted by expert.
 
     Parameters: ``w13_E2FD`` -- gate (w1) and up (w3) projections of each expert stacked along the output dim,
@@ -224,31 +226,45 @@ class GroupedExperts(nn.Module):
         if self.replicas is not None:
             w13_E2FD, w2_EDF = self.replicas.slot_weights(w13_E2FD, w2_EDF)
         cpu = x_SD.device.type == "cpu"
+        recompute_act = RecomputeModule.MOE_ACT in self.recompute_modules
         if self.fp8_recipe is not None:
+            # the down GEMM keeps its own FP8 copy of the SwiGLU output (DeepSeek-V3's FP8 activation cache):
+            # ``moe_act`` recomputes only the SwiGLU's internals from its kept input
+            act = (lambda h: checkpointed(_swiglu, h)) if recompute_act else _swiglu
             return fp8_expert_swiglu(x_SD, w13_E2FD, w2_EDF, tokens_per_expert_E, self.fp8_recipe, dtype,
-                                     tokens_per_expert_E.tolist() if cpu else None)
+                                     tokens_per_expert_E.tolist() if cpu else None, act=act)
         fast = self.use_grouped_mm and _grouped_mm_supported(x_SD, 2 * self.hidden_dim, D, self.hidden_dim)
         # Counts on the host: free on CPU; on CUDA only the loop path pays the sync.
         counts = tokens_per_expert_E.tolist() if cpu or not fast else None
         if self.use_grouped_mm and cpu:
             slots = padded_slots(counts, S)
             if slots is not None:
-                return self._forward_padded(x_SD, w13_E2FD, w2_EDF, *slots, dtype)
+                return self._forward_padded(x_SD, w13_E2FD, w2_EDF, *slots, dtype, recompute_act)
         h13_S2F = grouped_mm(x_SD, w13_E2FD, tokens_per_expert_E, counts, self.use_grouped_mm)
-        return grouped_mm(_swiglu(h13_S2F), w2_EDF, tokens_per_expert_E, counts, self.use_grouped_mm)
+        return _act_then(h13_S2F, lambda a: grouped_mm(a, w2_EDF, tokens_per_expert_E, counts, self.use_grouped_mm),
+                         recompute_act)
 
     @staticmethod
     def _forward_padded(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor, C: int,
-                        slot_S: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                        slot_S: torch.Tensor | None, dtype: torch.dtype, recompute_act: bool) -> torch.Tensor:
         E, D = w13_E2FD.shape[0], x_SD.shape[1]
         if slot_S is None:
             x_ECD = x_SD.view(E, C, D)
         else:
             # Padding slots stay zero; their outputs are never read back.
             x_ECD = x_SD.new_zeros(E * C, D).index_copy(0, slot_S, x_SD).view(E, C, D)
-        h_ECF = _swiglu(_BatchedMM.apply(x_ECD, w13_E2FD.to(dtype)))
-        y_SD = _BatchedMM.apply(h_ECF, w2_EDF.to(dtype)).reshape(E * C, D)
+        h13_EC2F = _BatchedMM.apply(x_ECD, w13_E2FD.to(dtype))
+        y_SD = _act_then(h13_EC2F, lambda a: _BatchedMM.apply(a, w2_EDF.to(dtype)), recompute_act).reshape(E * C, D)
         return y_SD if slot_S is None else y_SD.index_select(0, slot_S)
+
+
+def _act_then(h13: torch.Tensor, down: Callable[[torch.Tensor], torch.Tensor], recompute: bool) -> torch.Tensor:
+    """``down(swiglu(h13))``; with ``moe_act`` recompute only ``h13`` is kept: the SwiGLU's output, which the down
+    GEMM would keep, and its internals are recomputed in the backward (Megatron-Core ``moe_act``)."""
+    if not recompute:
+        return down(_swiglu(h13))
+    with DroppedOutputs(lambda: (_swiglu(h13),)) as drop:
+        return down(drop.add(checkpointed(_swiglu, h13)))
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.model.config_base import ModelConfig
-from moetrain.model.phases import current_tape, weight_grad
+from moetrain.model.recompute import Recomputable
+from moetrain.model.phases import tape_recording, weight_grad
 
 
 class RMSNorm(nn.Module):
@@ -102,11 +103,13 @@ def apply_rope(x: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor, inte
     return out.to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(Recomputable, nn.Module):
     """Base of every family's attention module: forward(x_BLD, cos_LR, sin_LR) -> (B, L, D), causal.
 
     Class attribute ``projections``: the names of its projection linears, which FP8 training runs in FP8
-    (``moetrain.precision.apply``); the attention core between them stays in high precision."""
+    (``moetrain.precision.apply``); the attention core between them stays in high precision. ``recompute_modules``
+    (:mod:`moetrain.model.recompute`): each family recomputes its kernel under ``core_attn`` and, for MLA, its
+    up-projections under ``mla_up_proj``."""
 
     projections: ClassVar[tuple[str, ...]]
 
@@ -139,7 +142,7 @@ class Linear(nn.Linear):
     state-dict key as ``nn.Linear``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if current_tape() is None or self.bias is not None:
+        if not tape_recording() or self.bias is not None:
             return F.linear(x, self.weight, self.bias)
         w = self.weight
         if torch.is_autocast_enabled(x.device.type):

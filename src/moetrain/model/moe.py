@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.layout import RecomputeModule
 from moetrain.model.config_base import BalanceLoss, ModelConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.layers import SwiGLU
 from moetrain.model.phases import carry, current_tape
+from moetrain.model.recompute import Recomputable, checkpointed
 
 DropPolicy = Literal["probs", "position"]
 
@@ -52,7 +54,8 @@ class Router(nn.Module):
 
     The ``expert_bias`` buffer (HF ``e_score_correction_bias``) is added to the scores only to *select* experts; gate
     weights use the unbiased scores. With ``n_expert_groups > 1``, a group is scored by the sum of its top-2 biased
-    scores and only the best ``n_limited_groups`` groups are eligible. ``routing="balanced"`` replaces the selection
+    scores and only the best ``n_limited_groups`` groups are eligible; with :attr:`node_limit`, only the experts of
+    the best M nodes (:func:`node_limited`). ``routing="balanced"`` replaces the selection
     with a round-robin one (every expert gets the same number of tokens) for benchmarks, as the published records do;
     the gate weights still come from the scores so the router keeps receiving gradients.
 
@@ -71,6 +74,9 @@ class Router(nn.Module):
         self.routing = cfg.routing
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
         self.register_buffer("expert_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        #: node-limited routing, set by ``moetrain.parallel.parallelize`` from the EP placement: (N nodes holding
+        #: E / N consecutive experts each, M): a token's experts lie on at most M of them; None = unlimited
+        self.node_limit: tuple[int, int] | None = None
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         logits_TE = F.linear(x_TD.float(), self.weight.float())
@@ -90,11 +96,36 @@ class Router(nn.Module):
                     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
                     keep_TG.scatter_(1, group_scores_TG.topk(self.n_limited_groups, dim=-1).indices, True)
                     choice_TE = choice_TGe.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+                if self.node_limit is not None:
+                    choice_TE = node_limited(choice_TE, *self.node_limit, self.top_k)
                 topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
         weight_TK = scores_TE.gather(1, topk_idx_TK)
         if self.norm_topk:
             weight_TK = weight_TK / (weight_TK.sum(dim=-1, keepdim=True) + 1e-20)
         return RouterOutput(topk_idx_TK, weight_TK * self.route_scale, scores_TE)
+
+
+def node_limited(choice_TE: torch.Tensor, n_nodes: int, m: int, top_k: int) -> torch.Tensor:
+    """Node-limited routing (DeepSeek-V3 report sec. 2.1.2, "node-limited routing"; its V2 predecessor's
+    device-limited routing): the E experts lie on ``n_nodes`` nodes, E / n_nodes consecutive ones each (the EP
+    placement); each node is scored by the sum of its ``max(1, top_k // m)`` highest selection scores ("the sum of
+    the highest K_r / M affinity scores of the experts distributed on each node") and only the experts of the best
+    ``m`` nodes stay eligible. Returns ``choice_TE`` (T, E) with the others set to -inf.
+
+    Raises:
+        ValueError: ``n_nodes`` does not divide E, or ``m`` not in [1, n_nodes].
+    """
+    T, E = choice_TE.shape
+    if E % n_nodes or not 1 <= m <= n_nodes:
+        raise ValueError(f"node-limited routing of {E} experts on {n_nodes} nodes with M={m}")
+    if m == n_nodes:
+        return choice_TE
+    choice_TNe = choice_TE.view(T, n_nodes, E // n_nodes)
+    per = min(max(1, top_k // m), E // n_nodes)
+    node_scores_TN = choice_TNe.topk(per, dim=-1).values.sum(dim=-1)
+    keep_TN = torch.zeros_like(node_scores_TN, dtype=torch.bool)
+    keep_TN.scatter_(1, node_scores_TN.topk(m, dim=-1).indices, True)
+    return choice_TNe.masked_fill(~keep_TN.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def balanced_assignment(T: int, K: int, E: int, device: torch.device | None = None) -> torch.Tensor:
@@ -419,7 +450,7 @@ class MoEStats(NamedTuple):
     dropped: torch.Tensor | int = 0
 
 
-class MoE(nn.Module):
+class MoE(Recomputable, nn.Module):
     """DeepSeekMoE FFN: routed experts chosen by :class:`Router` plus always-on shared experts (none in Qwen3-MoE).
     The balance loss is counted over the tokens ``cfg.balance_loss`` names (per sequence, micro-batch or global batch).
 
@@ -476,7 +507,10 @@ class MoE(nn.Module):
         shared: list[Callable[[], torch.Tensor]] = []  # getter of the shared experts' output (carry)
 
         def run_shared() -> None:
-            shared.append(carry(self.shared_experts(x_later())))
+            if RecomputeModule.SHARED_EXPERTS in self.recompute_modules:
+                shared.append(carry(checkpointed(self.shared_experts, x_later())))
+            else:
+                shared.append(carry(self.shared_experts(x_later())))
         early = self.shared_experts is not None and current_tape() is not None
         pending = [self.dispatcher.dispatch(x_later()[c], r.topk_idx_TK[c], weight_later()[c],
                                             run_shared if early and i == 0 else None) for i, c in enumerate(chunks)]

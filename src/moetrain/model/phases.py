@@ -93,6 +93,32 @@ def current_tape() -> "Tape | None":
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+_REPLAYING: list[bool] = []
+
+
+def tape_recording() -> bool:
+    """Whether the forward running now is recorded by a tape -- or, inside a recomputation (:func:`replaying`),
+    whether the forward it recomputes was. Modules whose saved tensors depend on it (:class:`moetrain.model.layers.
+    Linear`'s deferrable weight gradient) ask this, so that a recomputation saves what the forward saved."""
+    return _REPLAYING[-1] if _REPLAYING else current_tape() is not None
+
+
+class replaying:  # noqa: N801 - used like a contextmanager function
+    """Run a recomputation (``moetrain.model.recompute``) as the forward it replays ran: ``recorded`` = whether a
+    tape recorded that forward. A recomputation runs inside a backward step, where another micro-batch's tape may
+    be recording, or none. Re-enterable: torch's checkpoint enters the same one again when a split backward (input,
+    then weight gradients) recomputes twice."""
+
+    def __init__(self, recorded: bool):
+        self.recorded = recorded
+
+    def __enter__(self) -> None:
+        _REPLAYING.append(self.recorded)
+
+    def __exit__(self, *exc: Any) -> None:
+        _REPLAYING.pop()
+
+
 def carry(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     """Mark ``t`` as read again later in this forward, possibly after a communication boundary; returns a getter.
 

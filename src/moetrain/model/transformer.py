@@ -7,29 +7,35 @@ Shape legend: B batch, L sequence, D model dim, V vocab, E routed experts, M MoE
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from moetrain.layout import RecomputeModule
 from moetrain.model.config_base import ModelConfig
 from moetrain.model.init import ShardBox, full_box, normal_box_
 from moetrain.model.layers import Linear, RMSNorm, SwiGLU, rope_cos_sin
 from moetrain.model.moe import MoE, MoEStats
 from moetrain.model.phases import carry
+from moetrain.model.recompute import DroppedOutputs, Recomputable, checkpointed
 
 IGNORE_INDEX = -100
 
 
-class Block(nn.Module):
+class Block(Recomputable, nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)) (the family's: ``cfg.build_attention()``), then
     + FFN(norm(x)) with a dense SwiGLU or an MoE FFN.
 
     forward(x_BLD, cos, sin, valid_BL=None) -> (x_BLD, MoEStats or None); ``valid_BL`` marks the tokens that count in
     an MoE layer's statistics. Names match the released checkpoint (``self_attn``,
     ``mlp``, ``input_layernorm``, ``post_attention_layernorm``).
+
+    ``recompute`` (full: the whole block from its input) and ``recompute_modules`` (selective,
+    :mod:`moetrain.model.recompute`: here ``layernorm``, ``mlp`` and ``moe``; the attention and MoE modules read the
+    rest) are switched on by ``moetrain.parallel.parallelize``.
     """
 
     def __init__(self, cfg: ModelConfig, moe: bool):
@@ -50,13 +56,24 @@ class Block(nn.Module):
 
     def _forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        x_BLD = x_BLD + self.self_attn(self.input_layernorm(x_BLD), cos, sin)
-        h = self.post_attention_layernorm(x_BLD)
+        rc = self.recompute_modules
+        x_BLD = x_BLD + self._after_norm(self.input_layernorm, x_BLD, lambda h: self.self_attn(h, cos, sin))
         if isinstance(self.mlp, MoE):
             residual = carry(x_BLD)  # read after the MoE's all-to-alls (moetrain.model.phases)
-            y, stats = self.mlp(h, valid_BL)
+            moe = (lambda h: checkpointed(self.mlp, h, valid_BL)) if RecomputeModule.MOE in rc else (
+                lambda h: self.mlp(h, valid_BL))
+            y, stats = self._after_norm(self.post_attention_layernorm, x_BLD, moe)
             return residual() + y, stats
-        return x_BLD + self.mlp(h), None
+        mlp = (lambda h: checkpointed(self.mlp, h)) if RecomputeModule.MLP in rc else self.mlp
+        return x_BLD + self._after_norm(self.post_attention_layernorm, x_BLD, mlp), None
+
+    def _after_norm(self, norm: RMSNorm, x_BLD: torch.Tensor, consumer: Callable[[torch.Tensor], Any]) -> Any:
+        """``consumer(norm(x))``; with ``layernorm`` recompute the norm's output is not kept by the consumer's
+        saved tensors but recomputed from ``x`` in the backward."""
+        if RecomputeModule.LAYERNORM not in self.recompute_modules:
+            return consumer(norm(x_BLD))
+        with DroppedOutputs(lambda: (norm(x_BLD),)) as drop:
+            return consumer(drop.add(checkpointed(norm, x_BLD)))
 
 
 class MTPModule(nn.Module):

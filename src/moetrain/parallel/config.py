@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moetrain.errors import ConfigError
-from moetrain.layout import (ATTN_PRECISIONS, DISPATCH_PRECISIONS, CudaGraphs, Dispatcher, Layout, OptimizerStates,
-                             Precision, Recompute, Schedule)
+from moetrain.layout import (ATTN_PRECISIONS, DEFAULT_RECOMPUTE_MODULES, DISPATCH_PRECISIONS, RECOMPUTE_MODULE_ALIASES,
+                             CudaGraphs, Dispatcher, Layout, OptimizerStates, Precision, Recompute, RecomputeModule,
+                             Schedule)
 
 #: Pipeline schedules the trainer runs (``torch.distributed.pipelining``): all but the bidirectional DualPipe,
 #: which keeps two copies of the parameters.
@@ -52,15 +53,9 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
                     f"dispatcher={layout.dispatcher!r}; the trainer has {', '.join(map(str, DISPATCHERS))}"))
     if layout.attn_precision != Precision.BF16:
         out.append(("FP8 attention", f"attn_precision={layout.attn_precision!r}; use bf16"))
-    if layout.recompute == Recompute.SELECTIVE:
-        out.append(("selective recompute", f"recompute='selective' of {layout.recompute_modules or 'the default set'};"
-                    f" the trainer recomputes whole blocks (full) or nothing (none)"))
-    elif layout.recompute_modules is not None:
+    if layout.recompute != Recompute.SELECTIVE and layout.recompute_modules is not None:
         out.append(("recompute modules", f"recompute_modules={list(layout.recompute_modules)}; only selective "
                     f"recompute takes them"))
-    if layout.optimizer != OptimizerStates.FP32:
-        out.append((f"{layout.optimizer} optimizer states", f"optimizer={layout.optimizer!r}; the trainer keeps fp32 "
-                    f"(use fp32)"))
     if layout.fp8_param:
         out.append(("FP8 primary weights", "fp8_param=true; the trainer keeps fp32 masters and quantises per GEMM"))
     if layout.cuda_graphs is not None and layout.cuda_graphs != CudaGraphs.NONE:
@@ -134,8 +129,13 @@ class ParallelConfig(Layout):
             attention stay high precision (docs/fp8.md). Where the GPU has no FP8 kernel for the recipe the
             quantised values are multiplied in higher precision (fp32 on CPU, TF32 or bf16 on a GPU, warned once).
         attn_precision: attention precision; the trainer runs bf16 (or fp32 under precision fp32) only.
-        recompute: "none" or "full" (each block recomputed in backward); "selective" is not implemented.
-        recompute_modules: selective recompute's modules; must be unset.
+        recompute: "none", "full" (each block recomputed in backward from its input) or "selective" (the modules of
+            recompute_modules, ``moetrain.model.recompute``; bit-identical losses and gradients).
+        recompute_modules: selective recompute's modules, Megatron-Core's ``--recompute-modules`` names
+            (:class:`~moetrain.layout.RecomputeModule`: core_attn, mla_up_proj, layernorm, mlp, moe, moe_act,
+            shared_experts; "norm" is accepted for layernorm); unset = the planner's default set (layernorm,
+            mla_up_proj). Only with recompute "selective"; "moe" (its all-to-alls run again in the backward) not
+            with ep_overlap.
         ep_overlap: pair micro-batch i+1's forward with micro-batch i's backward phase by phase, so every expert
             all-to-all (forward and backward) is in flight while the other micro-batch computes (Megatron-Core's
             combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; under pipelining
@@ -146,7 +146,11 @@ class ParallelConfig(Layout):
             pp == 1 without ep_overlap, else false (pipelining and EP overlap keep them gathered).
         dp_overlap: FSDP2 prefetches the next all-gather and reduce-scatters behind compute; must be true.
         mtp_depth: must be unset: the model's depth is ``model.mtp_depth``.
-        optimizer: optimizer state precision; the trainer keeps fp32 states.
+        optimizer: optimizer state precision, sharded over the data-parallel ranks with the parameters: "fp32"
+            (fp32 weights, gradients and moments; torch's fused AdamW), "bf16-moments" (DeepSeek-V3: fp32 weights and
+            gradients, bf16 moments) or "bf16" (Megatron's precision-aware optimizer: bf16 weights, gradients and
+            moments, the exact fp32 master kept as a 16-bit remainder; needs a process group, as moetrain train
+            always has). A run resumes into another of them (the checkpoint keeps fp32 masters; moments converted).
         fp8_param: FP8 primary weights; not implemented (false).
         cuda_graphs: the trainer launches eagerly ("none").
         fused_mlp: the fused grouped-MLP kernel; not implemented (false).
@@ -161,6 +165,11 @@ class ParallelConfig(Layout):
             (``moetrain.parallel.redundant``); 0 = off. Training is the unreplicated training up to fp32 sum order.
         rebalance_every: N, steps between placements of the copies, each from the loads of the last N steps (no
             copies before the first).
+        node_limit_m: M, node-limited routing (DeepSeek-V3's): each token's routed experts lie on at most M nodes,
+            the nodes chosen by the sum of their top K / M selection scores (``moetrain.model.moe.node_limited``);
+            a node holds the experts of ``gpus_per_node`` consecutive EP ranks. None = unlimited; with the EP group
+            on one node it changes nothing.
+        gpus_per_node: ranks per node (NVLink domain), for node_limit_m: EP must be a multiple of it or divide it.
     """
 
     schedule: Schedule = Schedule.ONE_F_ONE_B
@@ -177,6 +186,8 @@ class ParallelConfig(Layout):
     timeout_s: float = 300.0
     redundant_experts: int = 0
     rebalance_every: int = 100
+    node_limit_m: int | None = None
+    gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -215,6 +226,15 @@ class ParallelConfig(Layout):
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "redundant_experts" else 1):
                 raise ConfigError(f"parallel.{name}={v!r} must be an integer >= "
                                   f"{0 if name == 'redundant_experts' else 1}")
+        self._check_recompute_modules()
+        for name, v in (("node_limit_m", self.node_limit_m), ("gpus_per_node", self.gpus_per_node)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"parallel.{name}={v!r} must be an integer >= 1" + (" (or unset)" if name ==
+                                                                                      "node_limit_m" else ""))
+        if self.node_limit_m is not None and self.ep % self.gpus_per_node and self.gpus_per_node % self.ep:
+            raise ConfigError(f"parallel.node_limit_m needs the EP group to fill whole nodes or sit in one: "
+                              f"parallel.ep={self.ep} is neither a multiple nor a divisor of parallel.gpus_per_node="
+                              f"{self.gpus_per_node}")
         missing = layout_not_runnable(self)
         if missing:
             raise ConfigError("moetrain train cannot run this layout: "
@@ -223,15 +243,47 @@ class ParallelConfig(Layout):
             clash = [f"parallel.{k}={v}" for k, v, bad in (
                 ("schedule", repr(self.schedule), self.pp > 1 and self.schedule == Schedule.ZBV),
                 ("recompute", "'full'", self.recompute == Recompute.FULL),
+                ("recompute_modules", "[..., 'moe']", RecomputeModule.MOE in self.recomputed_modules),
                 ("n_chunks", self.n_chunks, self.n_chunks > 1), ("overlap", "false", not self.overlap)) if bad]
             if clash:
                 raise ConfigError(
                     f"parallel.ep_overlap=true does not combine with {', '.join(clash)}: the paired schedule runs "
-                    f"without recomputation or token chunks, with asynchronous all-to-alls (parallel.overlap=true), "
+                    f"without recomputation of whole blocks or MoE layers (their all-to-alls would run again inside "
+                    f"a backward step; selective recompute of the other modules pairs) or token chunks, with asynchronous all-to-alls (parallel.overlap=true), "
                     f"and under pipelining pairs the full backwards of 1f1b, interleaved or dualpipev (zbv "
                     f"splits every backward); drop those settings or set parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
+
+    def _check_recompute_modules(self) -> None:
+        mods = self.recompute_modules
+        if mods is None:
+            return
+        if isinstance(mods, str):  # --set parallel.recompute_modules=layernorm,moe_act
+            mods = [m.strip() for m in mods.split(",") if m.strip()]
+        if not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods):
+            raise ConfigError(f"parallel.recompute_modules={mods!r} must be a list of module names, e.g. "
+                              f"['layernorm', 'moe_act']; allowed: {', '.join(RecomputeModule.values())}")
+        names = tuple(RECOMPUTE_MODULE_ALIASES.get(m, m) for m in mods)
+        bad = [m for m in names if m not in RecomputeModule.values()]
+        if bad:
+            raise ConfigError(f"parallel.recompute_modules: unknown {', '.join(map(repr, bad))}; allowed: "
+                              f"{', '.join(RecomputeModule.values())} (Megatron-Core's --recompute-modules names)")
+        object.__setattr__(self, "recompute_modules", tuple(dict.fromkeys(names)))
+
+    @property
+    def ep_nodes(self) -> int:
+        """Nodes the EP group spans (its ranks are consecutive, ``gpus_per_node`` to a node)."""
+        return max(1, self.ep // self.gpus_per_node)
+
+    @property
+    def recomputed_modules(self) -> frozenset[RecomputeModule]:
+        """The modules selective recompute covers (the default set when none are named); empty unless
+        ``recompute`` is "selective" (full recompute is the whole block's, ``moetrain.model.transformer.Block``)."""
+        if self.recompute != Recompute.SELECTIVE:
+            return frozenset()
+        names = self.recompute_modules if self.recompute_modules is not None else DEFAULT_RECOMPUTE_MODULES
+        return frozenset(RecomputeModule(m) for m in names)
 
     def _check_names(self) -> None:
         if self.dispatcher == "local":

@@ -6,7 +6,8 @@
    experts, and the placement itself -- not a module attribute -- says which, so checkpoints save and reshard the
    experts without gathering them.
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
-3. Activation checkpointing of every block (main and MTP), if asked.
+3. Activation checkpointing of every block (main and MTP): full (the block from its input) or selective (the modules
+   of ``parallel.recompute_modules``, :mod:`moetrain.model.recompute`), if asked.
 4. FSDP2 ``fully_shard``: expert weights over the EDP mesh (ranks holding the same experts), then every block and the
    root over all ranks of the stage (the flattened edp x ep mesh: DP). Gradients are *summed*, not averaged (divide
    factor 1): the trainer normalises the loss by global token and sequence counts, so the summed gradient is the
@@ -32,9 +33,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moetrain.errors import ConfigError
 from moetrain.layout import Recompute
 from moetrain.model.moe import CapacityConfig, LocalDispatcher
 from moetrain.model.experts import GroupedExperts
+from moetrain.model.recompute import set_recompute
 from moetrain.model.transformer import Transformer, init_weights
 from moetrain.parallel.comm import named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher
@@ -79,12 +82,15 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
             place_experts(moe.experts, ctx)
         if ctx.distributed:
             moe.reduce_balance_counts = _stage_sum(ctx)
+        if pcfg.node_limit_m is not None and pcfg.node_limit_m < pcfg.ep_nodes:
+            moe.gate.node_limit = _node_limit(E, moe.gate.top_k, pcfg.ep_nodes, pcfg.node_limit_m)
         # 2. chunked overlap
         moe.n_chunks = pcfg.n_chunks
     # 3. activation checkpointing
     blocks = model.blocks()
     for block in blocks:
         block.recompute = pcfg.recompute == Recompute.FULL
+        set_recompute(block, pcfg.recomputed_modules)
     # 4. FSDP2
     if ctx.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -116,6 +122,20 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
                 mod.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _node_limit(n_experts: int, top_k: int, n_nodes: int, m: int) -> tuple[int, int]:
+    """(nodes, M) of node-limited routing for the router: the EP placement puts E / nodes consecutive experts on
+    each node.
+
+    Raises:
+        ConfigError: M nodes hold fewer than top_k experts.
+    """
+    if m * (n_experts // n_nodes) < top_k:
+        raise ConfigError(f"parallel.node_limit_m={m}: {m} node(s) of {n_experts // n_nodes} experts each cannot "
+                          f"hold a token's {top_k} experts; raise it to at least "
+                          f"{-(-top_k // (n_experts // n_nodes))}")
+    return n_nodes, m
 
 
 def _stage_sum(ctx: ParallelContext) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -168,6 +188,23 @@ def shard_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.
                                f"{t.placements}")
         return tuple(t.shape), tuple(offsets), local
     return tuple(t.shape), (0,) * t.dim(), t
+
+
+def cast_parameters_(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Hold every floating-point parameter of ``model`` in ``dtype`` (buffers, such as the expert biases, keep
+    theirs), in place, before :func:`parallelize`: FSDP2 shards and all-gathers what it is given, so the held shards
+    are then of ``dtype`` and its mixed-precision policy casts them to the compute dtype. Meant for a meta-device
+    model (the trainer's ``bf16`` optimizer states); the name-seeded init then rounds its fp32 values into them.
+    Shared parameters stay shared. Returns ``model``."""
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            setattr(mod, name, done[id(p)])
+    return model
 
 
 def materialize(model: Transformer, ctx: ParallelContext, seed: int = 0) -> Transformer:

@@ -23,8 +23,9 @@ from moetrain.errors import PlanError  # noqa: F401 - the planner's error, raise
 from moetrain.layout import ATTN_PRECISIONS as _ATTN_PRECISIONS
 from moetrain.layout import DISPATCH_PRECISIONS as _DISPATCH_PRECISIONS
 from moetrain.layout import parse_layout
-from moetrain.layout import (LAYOUT_FIELDS, VALUE_ALIASES, CudaGraphs, Dispatcher, Framework, Layout, OptimizerStates,
-                             Precision, Recompute, Routing, Schedule, coerce_names)
+from moetrain.layout import (DEFAULT_RECOMPUTE_MODULES, LAYOUT_FIELDS, RECOMPUTE_MODULE_ALIASES, VALUE_ALIASES,
+                             CudaGraphs, Dispatcher, Framework, Layout, OptimizerStates, Precision, Recompute,
+                             RecomputeModule, Routing, Schedule, coerce_names)
 from moetrain.plan.hardware import GPUSpec
 from moetrain.plan.shape import ModelShape
 
@@ -34,17 +35,11 @@ PRECISIONS = Precision.values()
 ATTN_PRECISIONS = tuple(p.value for p in _ATTN_PRECISIONS)
 DISPATCH_PRECISIONS = tuple(p.value for p in _DISPATCH_PRECISIONS)
 RECOMPUTE = Recompute.values()
-#: Modules a selective recompute can cover, named as Megatron-Core's ``--recompute-modules`` names them
-#: (megatron/core/transformer/transformer_config.py ``recompute_modules``):
-#: "core_attn" (the attention kernel: only its inputs are kept), "mla_up_proj" (MLA up-projections + RoPE, and the
-#: q/k/v built from them), "layernorm" (the RMSNorms), "mlp" (the dense FFN of dense layers), "moe" (the whole MoE
-#: block from its input: router, dispatch, experts, combine -- its all-to-alls run again), "moe_act" (expert
-#: SwiGLU: its input is kept -- in FP8 under FP8 -- and its output recomputed, as DeepSeek-V3 and Megatron's
-#: ``moe_act`` + ``activation_func_fp8_input_store``), "shared_experts" (the shared-expert FFN).
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "moe_act", "shared_experts")
-#: Older spellings still accepted (this package's first names): "norm" = "layernorm".
-RECOMPUTE_ALIASES = {"norm": "layernorm"}
-DEFAULT_SELECTIVE = ("layernorm", "mla_up_proj")
+#: Modules a selective recompute can cover: :class:`moetrain.layout.RecomputeModule` (what each means), as
+#: Megatron-Core's ``--recompute-modules`` names them.
+RECOMPUTE_MODULES = RecomputeModule.values()
+RECOMPUTE_ALIASES = RECOMPUTE_MODULE_ALIASES
+DEFAULT_SELECTIVE = tuple(m.value for m in DEFAULT_RECOMPUTE_MODULES)
 ROUTING = Routing.values()
 #: Pipeline schedules: :class:`moetrain.layout.Schedule` (what each means); older names in SCHEDULE_ALIASES.
 SCHEDULES = Schedule.values()

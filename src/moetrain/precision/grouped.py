@@ -30,7 +30,7 @@ Shape legend: S rows in, P padded rows, E experts (local), D model dim, F expert
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -348,16 +348,22 @@ def grouped_reference(x_PK: torch.Tensor, w_ENK: torch.Tensor, offs_E: torch.Ten
 @runs_no_bf16_gemm
 def fp8_expert_swiglu(x_SD: torch.Tensor, w13_E2FD: torch.Tensor, w2_EDF: torch.Tensor,
                       tokens_per_expert_E: torch.Tensor, recipe: Fp8Recipe, out_dtype: torch.dtype,
-                      counts: list[int] | None = None) -> torch.Tensor:
+                      counts: list[int] | None = None,
+                      act: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Routed experts' SwiGLU, w2(silu(w1 x) * w3 x) per expert, with all six GEMMs in FP8.
 
     x_SD rows grouped by expert (``tokens_per_expert_E``), w13_E2FD the stacked [gate | up] weights, w2_EDF the
     down weights. Returns (S, D) in ``out_dtype``; rows past the groups are zero. ``counts`` (host ints) only size
-    the aligned tensor exactly; without them nothing syncs with the host.
+    the aligned tensor exactly; without them nothing syncs with the host. ``act``: the activation of the stacked
+    [gate | up] output, (P, 2F) -> (P, F) (None: silu(gate) * up; the model passes a recomputed one).
     """
     layout = aligned_layout(tokens_per_expert_E, x_SD.shape[0], recipe.group_align, counts)
     x_PD = to_aligned(x_SD, layout)
     h13 = fp8_grouped_mm(x_PD, w13_E2FD, layout.offs_E, recipe, out_dtype)
-    h1, h3 = h13.chunk(2, dim=-1)
-    y_PD = fp8_grouped_mm(F.silu(h1) * h3, w2_EDF, layout.offs_E, recipe, out_dtype)
+    if act is None:
+        h1, h3 = h13.chunk(2, dim=-1)
+        a = F.silu(h1) * h3
+    else:
+        a = act(h13)
+    y_PD = fp8_grouped_mm(a, w2_EDF, layout.offs_E, recipe, out_dtype)
     return from_aligned(y_PD, layout)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
@@ -44,6 +45,7 @@ from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.train.adamw import PrecisionAwareAdamW
 from moetrain.train.checksums import MANIFEST, ChecksumWriter, FileSum, check_files, manifest_of, read_manifest
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -84,27 +86,58 @@ def _pairs(model: Any, optimizer: Any) -> list[tuple[torch.nn.Module, torch.opti
     return list(zip(parts, opts))
 
 
+#: Optimizer state entries a checkpoint leaves out: the bf16 weights' master remainders, since the checkpoint holds
+#: the fp32 masters themselves under the parameters' names (any optimizer precision resumes from any other).
+_DERIVED_STATE = ("master_remainder",)
+
+
+class _Masters:
+    """The fp32 masters of a part's bf16 parameters (optimizer states ``bf16``), as DTensors of the parameters'
+    placement: what a checkpoint stores under their names, and where a load lands before :meth:`write_back`."""
+
+    def __init__(self, part: torch.nn.Module, opt: Any):
+        self.opt = opt
+        self.by_fqn: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        if not isinstance(opt, PrecisionAwareAdamW):
+            return
+        for fqn, p in part.named_parameters():
+            if p.dtype == torch.bfloat16:
+                master = opt.master(p).clone()
+                if isinstance(p, DTensor):
+                    master = DTensor.from_local(master, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                stride=p.stride())
+                self.by_fqn[fqn] = (p, master)
+
+    def write_back(self) -> None:
+        for p, master in self.by_fqn.values():
+            self.opt.set_master(p, local_tensor(master))
+
+
 def _flat_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[tuple[Any, Any, dict[str, Any]]],
-                                                     list[tuple[str, Any]]]:
-    """DCP-ready flat dict of references to the live model and optimizer tensors (no copies), keyed by global
-    parameter names; the (part, optimizer, optimizer state dict) triples it was built from (to write loaded values
-    back); and the entries left out because another part of this rank has the same key (the last stage's embedding
-    copy on the first stage's rank): they are saved once and loaded by copy."""
+                                                     list[tuple[str, Any]], list[_Masters]]:
+    """DCP-ready flat dict of references to the live model and optimizer tensors (no copies but the fp32 masters of
+    bf16 weights), keyed by global parameter names; the (part, optimizer, optimizer state dict) triples it was built
+    from (to write loaded values back); the entries left out because another part of this rank has the same key (the
+    last stage's embedding copy on the first stage's rank): they are saved once and loaded by copy; and each part's
+    :class:`_Masters`."""
     flat: dict[str, Any] = {}
-    built, dups = [], []
+    built, dups, masters = [], [], []
     for part, opt in _pairs(model, optimizer):
-        local = {f"model.{fqn}": t for fqn, t in part.state_dict().items()}
+        m = _Masters(part, opt)
+        masters.append(m)
+        local = {f"model.{fqn}": m.by_fqn[fqn][1] if fqn in m.by_fqn else t for fqn, t in part.state_dict().items()}
         osd = get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=False))
         for fqn, st in osd["state"].items():
             for key, val in st.items():
-                local[f"optim.{fqn}.{key}"] = val
+                if key not in _DERIVED_STATE:
+                    local[f"optim.{fqn}.{key}"] = val
         for k, v in local.items():
             if k in flat:
                 dups.append((k, v))
             else:
                 flat[k] = v
         built.append((part, opt, osd))
-    return flat, built, dups
+    return flat, built, dups, masters
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
@@ -124,7 +157,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
         for stale in [*root.glob(".tmp-step_*"), *root.glob(".trash-*")]:
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(ctx)
-    flat, _, _ = _flat_state(model, optimizer)
+    flat, _, _, _ = _flat_state(model, optimizer)
     try:
         writer = ChecksumWriter(tmp)
         dcp.save(flat, storage_writer=writer)
@@ -281,7 +314,7 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
         raise CheckpointError(f"{path} is incomplete (no COMPLETE marker); refusing to load it")
     for part, opt in _pairs(model, optimizer):
         _init_optimizer_state(part, opt)
-    flat, built, dups = _flat_state(model, optimizer)
+    flat, built, dups, masters = _flat_state(model, optimizer)
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
@@ -303,11 +336,15 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
             for fqn, st in osd["state"].items():
                 for key in st:
                     k = f"optim.{fqn}.{key}"
+                    if key in _DERIVED_STATE:
+                        continue
                     if not isinstance(st[key], torch.Tensor) or k in renamed:
                         # DCP loads tensors in place but replaces non-tensor values in the dict it is given
                         st[key] = loaded[k]
             set_optimizer_state_dict(part, opt, osd,
                                      options=StateDictOptions(flatten_optimizer_state_dict=False))
+        for m in masters:
+            m.write_back()
     state = read_trainer_state(path)
     torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     return state

@@ -33,7 +33,9 @@ from moetrain.layout import Layout
 from moetrain.model.experts import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
-from moetrain.parallel.parallelize import local_tensor, parallelize
+from moetrain.parallel.parallelize import cast_parameters_, local_tensor, parallelize
+from moetrain.train.adamw import state_bytes_per_param
+from moetrain.train.optim import STATE_DTYPES, held_param_dtype
 from moetrain.train.fit import (DEFAULT_GPU, format_pipeline_ranks, pipeline_rank_rows, target_device, target_gpu,
                                 verdict)
 
@@ -42,8 +44,10 @@ GiB = 2 ** 30
 
 @dataclass
 class RankMemory:
-    """What one rank holds for training, bytes (params fp32 masters, gradients of the same dtype, AdamW's two
-    moments); ``peak_measured`` is the high-water mark so far (RSS on CPU, CUDA max allocated on GPU), None on meta.
+    """What one rank holds for training, bytes: the parameters as held (fp32 masters, or bf16 weights under the
+    ``bf16`` optimizer states), gradients of the same dtype, and the optimizer's states (AdamW's two moments in the
+    states' precision, plus the bf16 weights' 16-bit master remainders); ``peak_measured`` is the high-water mark so
+    far (RSS on CPU, CUDA max allocated on GPU), None on meta.
     """
 
     rank: int
@@ -70,11 +74,14 @@ def measured_peak(device: torch.device) -> int:
 
 
 def rank_memory(model: torch.nn.Module, ctx: ParallelContext, measured: bool = True) -> RankMemory:
-    """Count this rank's shards of every parameter (a DTensor's local part, else the whole tensor)."""
+    """Count this rank's shards of every parameter (a DTensor's local part, else the whole tensor), with the
+    optimizer states of ``ctx.pcfg.optimizer`` (:data:`moetrain.train.optim.STATE_DTYPES`)."""
     locals_ = [local_tensor(p) for p in model.parameters()]
     n = sum(t.numel() for t in locals_)
     pb = sum(t.numel() * t.element_size() for t in locals_)
-    return RankMemory(ctx.rank, n, pb, pb, 2 * pb, measured_peak(ctx.device) if measured else None)
+    moment_dtype = STATE_DTYPES[ctx.pcfg.optimizer][1]
+    ob = sum(t.numel() * state_bytes_per_param(t.dtype, moment_dtype) for t in locals_)
+    return RankMemory(ctx.rank, n, pb, pb, ob, measured_peak(ctx.device) if measured else None)
 
 
 def run_layout(job: JobConfig, pcfg: ParallelConfig, device_type: str) -> Layout:
@@ -268,7 +275,7 @@ def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None 
     target = target_gpu(gpu, plan, device_type)
     ctx = fake_parallel(job.parallel, world, job.model.n_routed_experts)
     try:
-        model = build_model(job.model, device="meta")
+        model = cast_parameters_(build_model(job.model, device="meta"), held_param_dtype(job.parallel.optimizer))
         total = sum(math.prod(p.shape) for p in model.parameters())
         held = pipeline_rank_state(model, ctx)
         layout = run_layout(job, ctx.pcfg, device_type)

@@ -36,6 +36,7 @@ from typing import Any
 from moetrain.errors import ConfigError
 from moetrain.layout import Recompute, Routing, Schedule
 from moetrain.parallel.config import layout_not_runnable
+from moetrain.plan.hardware import get_gpu
 from moetrain.plan.plan import Plan
 
 
@@ -146,9 +147,6 @@ def plan_job(pf: PlanFile) -> PlanJob:
     if plan.ep_overlap and plan.ep > 1 and plan.pp > 1 and layout.schedule == Schedule.ZBV:
         missing.append("expert all-to-all overlap under the zbv schedule (it splits every backward, so nothing "
                        "pairs; use --schedule dualpipev or --no-ep-overlap)")
-    if plan.node_limit_m is not None:
-        missing.append(f"node-limited routing (node_limit_m={plan.node_limit_m}: the trainer's routing limits a "
-                       f"token to model.n_limited_groups expert groups, not to M nodes; drop --node-limit)")
     if missing:
         raise ConfigError("moetrain train cannot run this plan yet: " + "; ".join(missing))
     if not plan.dp:
@@ -162,6 +160,10 @@ def plan_job(pf: PlanFile) -> PlanJob:
                           f"{plan.dp * mbs}")
     parallel = layout.layout_fields()
     del parallel["mtp_depth"]  # the model's setting (model.mtp_depth)
+    if plan.node_limit_m is not None:
+        # the planner's node is the GPU's NVLink domain (plan/model/routing.py)
+        parallel["node_limit_m"] = plan.node_limit_m
+        parallel["gpus_per_node"] = _domain(pf.gpu)
     if plan.pp > 1 and plan.pp_layout is None and pf.stages:
         parallel["pp_layout"] = megatron_layout(pf.stages)  # the split the planner costed
     sections: dict[str, dict[str, Any]] = {
@@ -180,3 +182,8 @@ def plan_job(pf: PlanFile) -> PlanJob:
     reported.append(f"imbalance={plan.imbalance:.3g} (the prediction's; the run measures its own)"
                     if plan.imbalance is not None else "imbalance unset (the run measures its own)")
     return PlanJob(sections, plan.world, tuple(reported))
+
+
+def _domain(gpu: str | None) -> int:
+    """GPUs per NVLink domain of the plan's GPU (the catalogue's), 8 (an HGX board) when the plan names none."""
+    return get_gpu(gpu).nvlink_domain if gpu else 8

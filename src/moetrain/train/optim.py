@@ -8,16 +8,39 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moetrain.layout import OptimizerStates
+from moetrain.train.adamw import PrecisionAwareAdamW
+
+#: The one table of optimizer-state precisions: ``OptimizerStates -> (dtype of the parameters the model holds, which
+#: are the FSDP shards and, but for bf16, the master weights; dtype of the Adam moments, None = torch's fused AdamW
+#: with moments of the parameters' dtype)``. bf16 parameters keep their exact fp32 master as a 16-bit remainder in
+#: the optimizer (:mod:`moetrain.train.adamw`).
+STATE_DTYPES: dict[OptimizerStates, tuple[torch.dtype, torch.dtype | None]] = {
+    OptimizerStates.FP32: (torch.float32, None),
+    OptimizerStates.BF16_MOMENTS: (torch.float32, torch.bfloat16),
+    OptimizerStates.BF16: (torch.bfloat16, torch.bfloat16),
+}
+
+
+def held_param_dtype(states: OptimizerStates) -> torch.dtype:
+    """The dtype the model's (sharded) parameters are held in under optimizer ``states``."""
+    return STATE_DTYPES[OptimizerStates(states)][0]
+
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                    eps: float = 1e-8) -> torch.optim.AdamW:
+                    eps: float = 1e-8, states: OptimizerStates = OptimizerStates.FP32) -> torch.optim.Optimizer:
     """AdamW (DeepSeek-V3 report sec. 4.2: beta 0.9/0.95, weight decay 0.1). Vectors (norm weights) get no weight
     decay, as in Megatron-Core.
 
-    Uses PyTorch's fused kernel (one multi-tensor kernel per group on CPU and CUDA; the for-loop implementation cost
-    1.3x more optimizer time in the benchmark's training step). Routed-expert weights get their own groups because
-    under expert parallelism they live on the (dp) device mesh and everything else on the world mesh, and one fused
-    call cannot mix DTensors of two meshes.
+    ``states`` (:data:`STATE_DTYPES`): fp32 uses PyTorch's fused kernel (one multi-tensor kernel per group on CPU and
+    CUDA; the for-loop implementation cost 1.3x more optimizer time in the benchmark's training step); bf16-moments
+    and bf16 use :class:`~moetrain.train.adamw.PrecisionAwareAdamW`, whose parameters must already be held in the
+    table's dtype (``moetrain.train.trainer.build_model_parts`` casts them before sharding). Routed-expert weights get
+    their own groups because under expert parallelism they live on the (dp) device mesh and everything else on the
+    world mesh, and one fused call cannot mix DTensors of two meshes.
+
+    Raises:
+        ValueError: a parameter not held in the dtype ``states`` needs.
     """
     from moetrain.model.experts import GroupedExperts
 
@@ -28,6 +51,12 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
             buckets.setdefault((p.ndim >= 2, id(p) in expert_ids), []).append(p)
     groups = [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
               for (decay, _expert), ps in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    param_dtype, moment_dtype = STATE_DTYPES[OptimizerStates(states)]
+    wrong = sorted({str(p.dtype) for g in groups for p in g["params"] if p.dtype != param_dtype})
+    if wrong:
+        raise ValueError(f"optimizer states {states} need {param_dtype} parameters, found {', '.join(wrong)}")
+    if moment_dtype is not None:
+        return PrecisionAwareAdamW(groups, lr=lr, betas=betas, eps=eps, moment_dtype=moment_dtype)
     fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused or None,
                              foreach=None if fused else False)
@@ -87,6 +116,7 @@ class OptimizerGroup:
 
 
 def build_optimizers(parts: list[nn.Module], lr: float, weight_decay: float = 0.1,
-                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> OptimizerGroup:
+                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                     states: OptimizerStates = OptimizerStates.FP32) -> OptimizerGroup:
     """:func:`build_optimizer` for each part."""
-    return OptimizerGroup([build_optimizer(p, lr, weight_decay, betas, eps) for p in parts])
+    return OptimizerGroup([build_optimizer(p, lr, weight_decay, betas, eps, states) for p in parts])

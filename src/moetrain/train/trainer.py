@@ -24,7 +24,7 @@ from moetrain.model.config import DEFAULT_FAMILY, TRAINING_FIELDS
 from moetrain.model.transformer import Transformer, build_model
 from moetrain.parallel.hang import hang_monitor
 from moetrain.parallel.mesh import ParallelContext, check_same_config, init_parallel, shutdown
-from moetrain.parallel.parallelize import local_numel, materialize, parallelize
+from moetrain.parallel.parallelize import cast_parameters_, local_numel, materialize, parallelize
 from moetrain.parallel.schedules import bubble_formula
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
 from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
@@ -33,7 +33,7 @@ from moetrain.train.callbacks import (Callback, Checkpointing, Evaluation, Finit
 from moetrain.train.callbacks import NonFiniteLossError  # noqa: F401 - what a run raises, importable from here
 from moetrain.train.checkpoint import CheckpointError, load_checkpoint, read_trainer_state, resume_checkpoint
 from moetrain.train.metrics import LogField, MetricsSink, NullSink, device_peak, format_duration
-from moetrain.train.optim import build_optimizers, lr_at, set_lr
+from moetrain.train.optim import STATE_DTYPES, build_optimizers, held_param_dtype, lr_at, set_lr
 from moetrain.train.resume import data_fingerprint
 from moetrain.train.runners import ModelParts, Objective, build_runner
 from moetrain.train.stopping import StopRequest, clear_stop_file, record_failure
@@ -161,8 +161,18 @@ def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | N
     pcfg = ctx.pcfg
     model = build_model(job.model, device="meta")
     _apply_precision(model, job)
-    parts = build_stages(model, pcfg, ctx.pp_rank)
+    held = held_param_dtype(pcfg.optimizer)
+    if held != torch.float32:
+        if not ctx.distributed:
+            raise ConfigError(f"parallel.optimizer={pcfg.optimizer!r} holds {held} weights that FSDP2 casts to the "
+                              f"compute dtype, and a process without a process group has no FSDP (as Megatron's "
+                              f"precision-aware optimizer needs its distributed optimizer): launch through moetrain "
+                              f"train / torchrun, or use parallel.optimizer 'bf16-moments'")
+        cast_parameters_(model, held)
     param_dtype = amp if ctx.device.type == "cuda" else None
+    if param_dtype is None and held != torch.float32:
+        param_dtype = torch.float32  # FSDP2 casts the held shards up for the CPU's fp32 compute
+    parts = build_stages(model, pcfg, ctx.pp_rank)
     for part in parts:
         part.act_dtype = param_dtype or torch.float32
         parallelize(part, ctx, param_dtype=param_dtype)
@@ -199,6 +209,11 @@ def _resume(job: JobConfig, ctx: ParallelContext, model: ModelParts, optimizer: 
     loader.load_state_dict(state["loader"])
     if ctx.is_main:
         print(f"[moetrain] resumed from step {state['step']} of {job.train.out_dir} ({resume_from.name})")
+        saved = state.get("job", {}).get("parallel", {}).get("optimizer", "fp32")
+        if saved != job.parallel.optimizer:
+            print(f"[moetrain] note: the checkpoint's optimizer states were {saved}, this run keeps "
+                  f"{job.parallel.optimizer}: the fp32 master weights are loaded exactly, the Adam moments converted "
+                  f"to {STATE_DTYPES[job.parallel.optimizer][1] or torch.float32} (rounded where narrower)")
     return state["step"], resume_from
 
 
@@ -224,8 +239,10 @@ def _recipe_fields(job: JobConfig, ctx: ParallelContext) -> list[LogField]:
         LogField("overlap", f"shared experts {on[pcfg.overlap]}, EP overlap {on[pcfg.ep_overlap]}, "
                             f"chunks {pcfg.n_chunks}"),
         LogField("schedule", f"{pcfg.schedule} ({pcfg.n_stages} stages)" if pcfg.pp > 1 else "none (PP=1)"),
-        LogField("recompute", str(pcfg.recompute)),
+        LogField("recompute", str(pcfg.recompute) + (
+            f" ({', '.join(sorted(pcfg.recomputed_modules))})" if pcfg.recomputed_modules else "")),
         LogField("fsdp", on[bool(pcfg.fsdp)]),
+        LogField("optimizer states", str(pcfg.optimizer)),
         LogField("lr", f"{tc.schedule} {tc.lr:g} -> {tc.min_lr:g}, warm-up {tc.warmup_steps}"
                        if tc.schedule != "constant" else f"constant {tc.lr:g}, warm-up {tc.warmup_steps}"),
         LogField("loss", (f"lm + mtp ({m.mtp_loss_weight:g} x MTP CE)" if m.mtp_depth
@@ -354,7 +371,8 @@ def _run(job: JobConfig, prep: PreparedData, ctx: ParallelContext, dry_run: bool
     # Sizes only: the launcher's preflight read every byte against the checksums and set damaged ones aside.
     resume_from = resume_checkpoint(tc.out_dir, checksums=False)[0] if tc.resume else None
     model = build_model_parts(job, ctx, amp, init_from=None if resume_from is not None else tc.init_from)
-    optimizer = build_optimizers(model.parts, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps)
+    optimizer = build_optimizers(model.parts, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2), tc.eps,
+                                 job.parallel.optimizer)
     if dry_run:
         from moetrain.train.dryrun import report_dry_run
         return report_dry_run(job, ctx, model.parts[0] if len(model.parts) == 1 else torch.nn.ModuleList(model.parts))

@@ -11,13 +11,16 @@ R qk_rope_head_dim, Dv v_head_dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.layout import RecomputeModule
 from moetrain.model.config_base import ModelConfig
 from moetrain.model.layers import Attention, Linear, RMSNorm, apply_rope
+from moetrain.model.recompute import DroppedOutputs, checkpointed
 
 
 # The latent norms use a fixed epsilon in DeepSeek's reference code and in HF, whatever rms_norm_eps says.
@@ -60,32 +63,60 @@ class MLA(Attention):
 
     def forward(self, x_BLD: torch.Tensor, cos_LR: torch.Tensor, sin_LR: torch.Tensor) -> torch.Tensor:
         B, L, _ = x_BLD.shape
-        H = self.n_heads
-        if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BLD)))
-        else:
-            q = self.q_proj(x_BLD)
-        q_BLHK = q.view(B, L, H, self.qk_dim)
-        q_nope, q_rope = q_BLHK.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, cos_LR, sin_LR, self.interleave)
-
+        rc = self.recompute_modules
+        # the down-projections: the compressed latents (kept under every recompute)
+        q_lat = self.q_a_proj(x_BLD) if self.q_lora_rank else x_BLD
         kv_lat, k_rope = self.kv_a_proj_with_mqa(x_BLD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope_BL1R = apply_rope(k_rope.unsqueeze(2), cos_LR, sin_LR, self.interleave)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_lat)).view(B, L, H, self.nope_dim + self.v_dim)
-        k_nope, v_BLHV = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        if RecomputeModule.MLA_UP_PROJ not in rc:
+            q_BLHP, k_BLHP, v_BLHP = self._up_proj(q_lat, kv_lat, k_rope, cos_LR, sin_LR)
+            out = self._core(q_BLHP, k_BLHP, v_BLHP)
+        else:
+            # Megatron ``mla_up_proj``: the up-projected q / k / v and everything built from them are not kept;
+            # the backward recomputes them once from the latents
+            with DroppedOutputs(lambda: self._up_proj(q_lat, kv_lat, k_rope, cos_LR, sin_LR, every=True)) as drop:
+                q_BLHP, k_BLHP, v_BLHP = self._up_proj(q_lat, kv_lat, k_rope, cos_LR, sin_LR, keep=drop.add)
+                out = self._core(q_BLHP, k_BLHP, v_BLHP)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.v_dim))
 
+    def _up_proj(self, q_lat: torch.Tensor, kv_lat: torch.Tensor, k_rope: torch.Tensor, cos_LR: torch.Tensor,
+                 sin_LR: torch.Tensor, keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 every: bool = False) -> tuple[torch.Tensor, ...]:
+        """Latents -> the padded (B, L, H, P) q, k, v the attention kernel reads. ``keep``: called on every tensor
+        the up-projection produces that a later step saves (under ``mla_up_proj``: dropped, recomputed); ``every``:
+        return all those tensors, in that order, instead (the recomputation)."""
+        B, L, _ = kv_lat.shape
+        H = self.n_heads
+        made: list[torch.Tensor] = []
+
+        def mark(t: torch.Tensor) -> torch.Tensor:
+            made.append(t)
+            return keep(t) if keep is not None else t
+
+        q = mark(self.q_b_proj(self.q_a_layernorm(q_lat)) if self.q_lora_rank else self.q_proj(q_lat))
+        q_nope, q_rope = q.view(B, L, H, self.qk_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos_LR, sin_LR, self.interleave)
+        k_rope_BL1R = apply_rope(k_rope.unsqueeze(2), cos_LR, sin_LR, self.interleave)
+        kv = mark(self.kv_b_proj(self.kv_a_layernorm(kv_lat))).view(B, L, H, self.nope_dim + self.v_dim)
+        k_nope, v_BLHV = kv.split([self.nope_dim, self.v_dim], dim=-1)
         # SDPA's fused kernels (CPU flash; CUDA flash, memory-efficient, cuDNN) need one head dim for q, k and v,
         # CUDA's memory-efficient one a multiple of 8 in 16-bit; otherwise SDPA falls back to the math kernel and its
         # B x H x L x L scores. Zero padding leaves QK^T unchanged and only adds output columns (sliced off); the
         # explicit scale keeps the real qk dim's.
         P = -(-max(self.qk_dim, self.v_dim) // 8) * 8
-        q_BLHP = _pad_to(torch.cat([q_nope, q_rope], dim=-1), P)
-        k_BLHP = _pad_to(torch.cat([k_nope, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1), P)
-        out = F.scaled_dot_product_attention(
-            q_BLHP.transpose(1, 2), k_BLHP.transpose(1, 2), _pad_to(v_BLHV, P).transpose(1, 2),
-            is_causal=True, scale=self.softmax_scale,
-        )[..., : self.v_dim]  # (B, H, L, Dv)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, H * self.v_dim))
+        q_BLHP = mark(_pad_to(torch.cat([q_nope, q_rope], dim=-1), P))
+        k_BLHP = mark(_pad_to(torch.cat([k_nope, k_rope_BL1R.expand(B, L, H, self.rope_dim)], dim=-1), P))
+        v_BLHP = mark(_pad_to(v_BLHV, P))
+        return tuple(made) if every else (q_BLHP, k_BLHP, v_BLHP)
+
+    def _core(self, q_BLHP: torch.Tensor, k_BLHP: torch.Tensor, v_BLHP: torch.Tensor) -> torch.Tensor:
+        """The attention kernel -> (B, H, L, Dv); recomputed in the backward under ``core_attn``."""
+        if RecomputeModule.CORE_ATTN in self.recompute_modules:
+            return checkpointed(self._sdpa, q_BLHP, k_BLHP, v_BLHP)
+        return self._sdpa(q_BLHP, k_BLHP, v_BLHP)
+
+    def _sdpa(self, q_BLHP: torch.Tensor, k_BLHP: torch.Tensor, v_BLHP: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_BLHP.transpose(1, 2), k_BLHP.transpose(1, 2), v_BLHP.transpose(1, 2),
+                                              is_causal=True, scale=self.softmax_scale)[..., : self.v_dim]
 
     # -- decoding with a cache of the compressed latents (inference only; the training forward above is untouched) --
     def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> MLACache:

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from moetrain.layout import RecomputeModule
 from moetrain.model.config_base import ModelConfig
 from moetrain.model.layers import Attention, Linear, RMSNorm, apply_rope
+from moetrain.model.recompute import checkpointed
 
 
 class GQA(Attention):
@@ -44,10 +46,17 @@ class GQA(Attention):
         q_BLHd = apply_rope(self.q_norm(self.q_proj(x_BLD).view(B, L, H, d)), cos, sin, interleave=False)
         k_BLGd = apply_rope(self.k_norm(self.k_proj(x_BLD).view(B, L, G, d)), cos, sin, interleave=False)
         v_BLGd = self.v_proj(x_BLD).view(B, L, G, d)
-        out_BHLd = F.scaled_dot_product_attention(q_BLHd.transpose(1, 2), k_BLGd.transpose(1, 2),
-                                                  v_BLGd.transpose(1, 2), is_causal=True, scale=d ** -0.5,
-                                                  enable_gqa=G != H)
+        if RecomputeModule.CORE_ATTN in self.recompute_modules:
+            out_BHLd = checkpointed(self._sdpa, q_BLHd, k_BLGd, v_BLGd)
+        else:
+            out_BHLd = self._sdpa(q_BLHd, k_BLGd, v_BLGd)
         return self.o_proj(out_BHLd.transpose(1, 2).reshape(B, L, H * d))
+
+    def _sdpa(self, q_BLHd: torch.Tensor, k_BLGd: torch.Tensor, v_BLGd: torch.Tensor) -> torch.Tensor:
+        """The attention kernel -> (B, H, L, d); recomputed in the backward under ``core_attn``."""
+        return F.scaled_dot_product_attention(q_BLHd.transpose(1, 2), k_BLGd.transpose(1, 2), v_BLGd.transpose(1, 2),
+                                              is_causal=True, scale=self.head_dim ** -0.5,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
 
     # -- decoding with a key/value cache (inference only; the training forward above is untouched) --------------
     def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> GQACache:
@@ -98,3 +107,4 @@ class GQACache:
 
     k_BTGd: torch.Tensor
     v_BTGd: torch.Tensor
+
