@@ -129,6 +129,44 @@ def test_gloo_host_clock_measures_the_transfer_and_the_wait():
     assert torch.equal(hidden["out"][2:], torch.ones(2, 16))  # rank 1's rows arrived
 
 
+class _DoneWork:
+    """A gloo-like work that completed during its issue call (its future's callbacks run at once)."""
+
+    def get_future(self):
+        return self
+
+    def then(self, callback):
+        callback(self)
+
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("compute_between", [False, True])
+def test_a_slow_issue_call_is_launch_time_not_exposed_all_to_all(compute_between):
+    """Guard for the all-to-all overlap's regression (issue "exposed share 20% -> 27%"): the host clock counted the
+    issue call of every collective (gloo enqueues its work there: ~0.05-0.3 ms of host time, no transfer) as exposed
+    all-to-all, ~14 ms per step of the EP 2 overlap check. It is the collective's launch, reported apart
+    (``launch_seconds``, the metrics' ``a2a_launch_s_per_step``), as a GPU's events leave a kernel launch out of a
+    collective's device time; the all-to-all's own seconds start when the launch returns."""
+    import time
+
+    stats = DispatchStats()
+    slow_launch = 0.05
+
+    def launch():
+        time.sleep(slow_launch)
+        return _DoneWork()
+
+    pending = issue(launch, "dispatch", stats, CPU)
+    if compute_between:
+        time.sleep(0.01)
+    pending.wait()
+    assert stats.launch_seconds >= slow_launch
+    assert stats.exposed_seconds < slow_launch / 2 and stats.a2a_seconds < slow_launch / 2
+    assert stats.by_phase["dispatch"][1] == stats.exposed_seconds
+
+
 @pytest.mark.dist
 def test_event_path_through_the_dispatcher_reads_events_once_settled():
     for r in ok_values(run_ranks(2, event_timing_layer_run)):

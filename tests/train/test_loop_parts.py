@@ -19,7 +19,8 @@ from moetrain.train.runners import PairedRunner, SequentialRunner, single_stage_
 
 TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "grad_norm", "lr",
               "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "step_time_s", "a2a_s_per_step",
-              "a2a_exposed_s_per_step", "a2a_exposed_share", "a2a_share_of_step", "a2a_s_per_layer",
+              "a2a_exposed_s_per_step", "a2a_exposed_share", "a2a_launch_s_per_step", "a2a_share_of_step",
+              "a2a_s_per_layer",
               "a2a_exposed_s_per_layer", "a2a_s_per_layer_phase", "dispatch_bytes_per_step",
               "dispatch_remote_bytes_per_step", "pp_bubble_s_per_step", "pp_bubble_share", "pp_bubble_formula",
               "load_imbalance_max", "load_imbalance", "dropped_tokens", "peak_mem_gb", "expert_load", "total_steps",
@@ -32,8 +33,8 @@ TRAIN_KEYS = ["kind", "step", "loss", "lm_loss", "mtp_loss", "balance_loss", "gr
 def _metrics(**kw) -> StepMetrics:
     base = dict(step=7, loss=9.5, lm_loss=7.25, mtp_loss=7.5, balance_loss=4.125, grad_norm=1.25, lr=1e-3,
                 tokens_per_s_per_gpu=1234.5, tflops_per_gpu=0.0125, mfu=0.25, step_time_s=0.5, a2a_s_per_step=0.002,
-                a2a_exposed_s_per_step=0.001, a2a_exposed_share=0.5, a2a_share_of_step=0.002,
-                a2a_s_per_layer=[0.001, 0.001], a2a_exposed_s_per_layer=[0.0005, 0.0005],
+                a2a_exposed_s_per_step=0.001, a2a_exposed_share=0.5, a2a_launch_s_per_step=0.0004,
+                a2a_share_of_step=0.002, a2a_s_per_layer=[0.001, 0.001], a2a_exposed_s_per_layer=[0.0005, 0.0005],
                 a2a_s_per_layer_phase=[{"dispatch": [0.001, 0.0005]}, {}], dispatch_bytes_per_step=10.0,
                 dispatch_remote_bytes_per_step=5.0, pp_bubble_s_per_step=0.1, pp_bubble_share=0.2,
                 pp_bubble_formula=0.25, load_imbalance_max=1.5, load_imbalance=[1.5, 1.25], dropped_tokens=3,

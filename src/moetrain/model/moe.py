@@ -323,6 +323,8 @@ class DispatchStats:
 
     a2a_seconds: float = 0.0
     exposed_seconds: float = 0.0
+    # Host seconds spent in the collectives' issue calls (their launch; not part of a2a_seconds).
+    launch_seconds: float = 0.0
     calls: int = 0
     # Rows this rank put into dispatch all-to-alls (all destinations, itself included), and the part of them
     # addressed to other EP ranks (what crosses the wire). Per dispatch call: a recomputed forward counts again.
@@ -371,7 +373,7 @@ class DispatchStats:
             self.add(phase, *read())
 
     def reset_timers(self) -> None:
-        self.a2a_seconds = self.exposed_seconds = 0.0
+        self.a2a_seconds = self.exposed_seconds = self.launch_seconds = 0.0
         self.by_phase = {}
 
 

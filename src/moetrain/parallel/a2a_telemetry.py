@@ -28,8 +28,8 @@ import torch
 from moetrain.model.moe import DispatchStats
 
 #: Values per MoE layer in the packed buffer: all-to-all s, exposed s, bytes, remote bytes, pipeline rank + 1 (0:
-#: no rank filled the row), then per phase of ``DispatchStats.PHASES`` (present, all-to-all s, exposed s).
-_HEAD = 5
+#: no rank filled the row), launch s, then per phase of ``DispatchStats.PHASES`` (present, all-to-all s, exposed s).
+_HEAD = 6
 PACKED_PER_LAYER = _HEAD + 3 * len(DispatchStats.PHASES)
 
 
@@ -45,6 +45,7 @@ class A2AStep:
         bytes_M: bytes of the token rows the layer dispatched (to every EP rank, this one included).
         remote_bytes_M: the part of them sent to other EP ranks.
         pp_rank_M: the pipeline rank that ran each layer (-1: none); empty at PP 1.
+        launch_s_M: host seconds in the issue calls of the layer's all-to-alls (their launch, not in a2a_s_M).
     """
 
     moe_layers: list[int]
@@ -54,13 +55,15 @@ class A2AStep:
     bytes_M: list[int] = field(default_factory=list)
     remote_bytes_M: list[int] = field(default_factory=list)
     pp_rank_M: list[int] = field(default_factory=list)
+    launch_s_M: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, layers: list[tuple[int, DispatchStats]]) -> "A2AStep":
         """The figures of this rank's layers ((global MoE index, stats) each), as the dispatchers hold them."""
         return cls([m for m, _ in layers], [s.a2a_seconds for _, s in layers], [s.exposed_seconds for _, s in layers],
                    [{k: list(v) for k, v in s.by_phase.items()} for _, s in layers],
-                   [s.bytes_sent for _, s in layers], [s.remote_bytes_sent for _, s in layers])
+                   [s.bytes_sent for _, s in layers], [s.remote_bytes_sent for _, s in layers], [],
+                   [s.launch_seconds for _, s in layers])
 
     @classmethod
     def unpack(cls, packed_MK: list[list[float]]) -> "A2AStep":
@@ -69,7 +72,8 @@ class A2AStep:
         by_phase = [{k: [row[_HEAD + 3 * i + 1], row[_HEAD + 3 * i + 2]]
                      for i, k in enumerate(DispatchStats.PHASES) if row[_HEAD + 3 * i] > 0} for row in packed_MK]
         return cls(list(range(len(packed_MK))), [r[0] for r in packed_MK], [r[1] for r in packed_MK], by_phase,
-                   [int(r[2]) for r in packed_MK], [int(r[3]) for r in packed_MK], [int(r[4]) - 1 for r in packed_MK])
+                   [int(r[2]) for r in packed_MK], [int(r[3]) for r in packed_MK], [int(r[4]) - 1 for r in packed_MK],
+                   [r[5] for r in packed_MK])
 
     def step_totals(self) -> tuple[float, float]:
         """(all-to-all s, exposed s) summed over the layers of one pipeline rank: all layers at PP 1, under PP the
@@ -80,6 +84,13 @@ class A2AStep:
                             sum(a for a, p in zip(self.a2a_s_M, self.pp_rank_M) if p == q))
                            for q in sorted(set(self.pp_rank_M)))
         return a2a, exposed
+
+    def launch_total(self) -> float:
+        """Launch seconds summed over the layers of one pipeline rank: all at PP 1, under PP the rank with the most
+        (pipeline ranks launch concurrently)."""
+        if not self.pp_rank_M:
+            return sum(self.launch_s_M)
+        return max(sum(v for v, p in zip(self.launch_s_M, self.pp_rank_M) if p == q) for q in set(self.pp_rank_M))
 
     def bytes_totals(self) -> tuple[int, int]:
         """(bytes, remote bytes) dispatched, summed over every layer (of every stage under PP)."""
@@ -94,7 +105,8 @@ def pack(layers: list[tuple[int, DispatchStats]], out_MK: torch.Tensor, pp_rank:
         return
     rows = []
     for _, s in layers:
-        row = [s.a2a_seconds, s.exposed_seconds, float(s.bytes_sent), float(s.remote_bytes_sent), float(pp_rank + 1)]
+        row = [s.a2a_seconds, s.exposed_seconds, float(s.bytes_sent), float(s.remote_bytes_sent), float(pp_rank + 1),
+               s.launch_seconds]
         for k in DispatchStats.PHASES:
             a, e = s.by_phase.get(k, (0.0, 0.0))
             row += [1.0 if k in s.by_phase else 0.0, a, e]

@@ -5,8 +5,8 @@
 layer compute while tokens are in flight. Backward runs the reverse all-to-all (splits swapped) and waits for it at
 once.
 
-Timing (``moetrain.parallel.timing``): a2a seconds = issue -> completion, exposed seconds = the part of it the
-compute waited for. On a GPU both come from CUDA events -- the collective is bracketed on a communication stream of
+Timing (``moetrain.parallel.timing``): a2a seconds = issued -> completion, exposed seconds = the part of it the
+compute waited for, launch seconds = the host time of the issue call itself (kept apart, as on a GPU). On a GPU both come from CUDA events -- the collective is bracketed on a communication stream of
 its own, the wait on the compute stream -- and are read once per step (:meth:`DispatchStats.settle`); on a CPU
 (gloo) from the host clock, at once. With nothing to overlap the two are equal.
 
@@ -15,6 +15,7 @@ A hang: every wait is a phase of :mod:`moetrain.parallel.hang`'s monitor, which 
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -68,7 +69,8 @@ class Pending:
     ``keep``: tensors the collective reads or writes, held until the compute has waited for it. NCCL may release its
     own references at the (communication-stream) wait of issue time (``TORCH_NCCL_AVOID_RECORD_STREAMS``), and a
     send buffer freed then could be reused by compute while the transfer still reads it. ``label``: appended to the
-    phase in hang reports (", MoE layer L")."""
+    phase in hang reports (", MoE layer L"). ``launch_s``: host seconds of the issue call (the collective's
+    launch), recorded with its times at the wait."""
 
     timer: WallCommTimer | EventCommTimer
     token: Any
@@ -77,6 +79,7 @@ class Pending:
     keep: tuple = ()
     label: str = ""
     waited: bool = False
+    launch_s: float = 0.0
 
     def wait(self, exposed_from_issue: bool = False) -> None:
         """Wait for the collective. ``exposed_from_issue``: the caller did no useful work since issuing (a
@@ -90,6 +93,7 @@ class Pending:
                 raise name_collective_error(self.phase, e) from e
         stats = self.stats
         if stats is not None and stats.recording:
+            stats.launch_seconds += self.launch_s
             if self.timer.deferred:
                 stats.add_later(self.phase, read)
             else:
@@ -111,12 +115,14 @@ def issue(launch: Callable[[], Any], phase: str, stats: DispatchStats | None, de
         CollectiveError: the launch failed; names ``phase``.
     """
     timer = comm_timer(device)
+    t0 = time.perf_counter()
     try:
         token = timer.issue(launch)
     except RuntimeError as e:
         raise name_collective_error(phase, e) from e
+    launch_s = time.perf_counter() - t0
     label = f", MoE layer {stats.layer}" if stats is not None and stats.layer is not None else ""
-    return Pending(timer, token, phase, stats, keep, label)
+    return Pending(timer, token, phase, stats, keep, label, launch_s=launch_s)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -102,15 +102,16 @@ class WallCommTimer:
     """A collective timed on the host (gloo on a CPU, where the transfer runs on gloo's threads while the caller's
     compute runs on its own, so host time is the execution time).
 
-    Duration: issue to completion, the completion stamped by a callback on the work's future (when a backend has no
-    future: when the wait returns). Exposed: the time the caller spent blocked in the collective's calls -- the
-    issue call (gloo may do part of a small transfer there) and ``wait()``; with nothing done between issue and wait
-    (``exposed_from_issue``), the whole duration."""
+    Duration: from the return of the issue call to completion, the completion stamped by a callback on the work's
+    future (when a backend has no future: when the wait returns). Exposed: the time the caller spent blocked in
+    ``wait()``; with nothing done between issue and wait (``exposed_from_issue``), the whole duration. The issue
+    call itself (gloo enqueues the work for its own threads there: tens to hundreds of microseconds of host time,
+    no transfer) is the collective's *launch*, timed by its caller (:func:`moetrain.parallel.comm.issue`) and
+    reported apart, as a GPU's event timing leaves a kernel launch out of a collective's device time."""
 
     deferred = False
 
     def issue(self, launch: Callable[[], Any]) -> Any:
-        t_issue = time.perf_counter()
         work = launch()
         t_issued = time.perf_counter()
         t_done: list[float] = []
@@ -119,11 +120,11 @@ class WallCommTimer:
                 work.get_future().then(lambda _f: t_done.append(time.perf_counter()))
             except (RuntimeError, AttributeError):
                 pass  # some backends offer no future; fall back to wait-time only
-        return work, t_issue, t_issued, t_done
+        return work, t_issued, t_done
 
     def wait(self, token: Any, exposed_from_issue: bool) -> Reading:
-        work, t_issue, t_issued, t_done = token
-        t0 = t_issue if exposed_from_issue else time.perf_counter()
+        work, t_issued, t_done = token
+        t0 = t_issued if exposed_from_issue else time.perf_counter()
         if work is not None:
             work.wait()
         t1 = time.perf_counter()
@@ -132,9 +133,8 @@ class WallCommTimer:
         # costs only the wait call itself, which can exceed the callback-stamped duration by microseconds: exposed
         # never exceeds the transfer.
         done = t_done[0] if t_done and t_done[0] < t0 else t1
-        total = done - t_issue
-        blocked = t1 - t0 if exposed_from_issue else (t_issued - t_issue) + (t1 - t0)
-        exposed = min(blocked, total)
+        total = done - t_issued
+        exposed = min(t1 - t0, total)
         return lambda: (total, exposed)
 
 

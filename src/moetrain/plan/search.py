@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from moetrain.layout import Framework, Recompute
+from moetrain.parallel.config import layout_not_runnable
 from moetrain.plan.hardware import GPUSpec, get_gpu
 from moetrain.plan.model import Prediction, predict
 from moetrain.plan.plan import Plan, PlanError, default_items
@@ -59,6 +61,22 @@ def framework_conflicts(plan: Plan, framework: str) -> list[str]:
         out.append(f"the {plan.resolved_schedule} schedule (it runs {', '.join(rules['schedules'])})")
     if plan.ep_overlap and not rules["ep_overlap"]:
         out.append("EP overlap (it has none)")
+    if framework == Framework.MOETRAIN:
+        out += trainer_conflicts(plan)
+    return out
+
+
+def trainer_conflicts(plan: Plan) -> list[str]:
+    """What of ``plan`` ``moetrain train`` refuses (``moetrain.parallel.config.layout_not_runnable``, and EP overlap
+    beside recompute of whole blocks or MoE layers), as phrases; the TP, CP, schedule and precision rules of
+    :data:`FRAMEWORK_PLANS` aside."""
+    lay = plan.layout().replace(tp=1, cp=1, mtp_depth=None)
+    out = [f"{what} ({why})" for what, why in layout_not_runnable(lay)
+           if what not in ("tensor parallelism", "context parallelism")]
+    if plan.ep_overlap and plan.ep > 1 and (plan.recompute == Recompute.FULL or
+                                            (plan.recompute == Recompute.SELECTIVE and "moe" in plan.recomputed)):
+        out.append("EP overlap with recompute of whole blocks or MoE layers (the paired schedule would run their "
+                   "all-to-alls again inside a backward step)")
     return out
 
 
@@ -250,6 +268,9 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                                         dispatcher=base.dispatcher)
                                     if rules and rules["fsdp"] == "trainer":
                                         cand = cand.replace(fsdp=not (p > 1 or cand.ep_overlap))
+                                    if fw == Framework.MOETRAIN and trainer_conflicts(cand):
+                                        invalid += 1  # the trainer would refuse it: not recommended
+                                        continue
                                     try:
                                         pr = predict(shape, spec, n_gpus, cand)
                                     except PlanError:

@@ -107,6 +107,8 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("a2a_exposed_s_per_step", "a2a exposed", "all-to-all seconds per step the compute waited for (the same "
            "layers)"),
     Metric("a2a_exposed_share", "exposed", "a2a_exposed_s_per_step / a2a_s_per_step"),
+    Metric("a2a_launch_s_per_step", "a2a launch", "host seconds per step in the all-to-alls' issue calls (their "
+           "launch, not part of a2a_s_per_step; the same layers)"),
     Metric("a2a_share_of_step", "of step", "a2a_exposed_s_per_step / step_time_s: the step time lost to it"),
     Metric("a2a_s_per_layer", "a2a per layer", "all-to-all seconds per step per MoE layer (every stage's under PP, "
            "in global MoE order)"),
@@ -222,6 +224,7 @@ class StepMetrics:
     a2a_s_per_step: float
     a2a_exposed_s_per_step: float
     a2a_exposed_share: float
+    a2a_launch_s_per_step: float
     a2a_share_of_step: float
     a2a_s_per_layer: list[float]
     a2a_exposed_s_per_layer: list[float]
@@ -452,6 +455,7 @@ def a2a_fields(a2a: A2AStep, n_steps: int, window_s: float) -> dict[str, Any]:
     sent, remote = a2a.bytes_totals()
     return dict(a2a_s_per_step=total / n, a2a_exposed_s_per_step=exposed / n,
                 a2a_exposed_share=exposed / total if total > 0 else 0.0,
+                a2a_launch_s_per_step=a2a.launch_total() / n,
                 a2a_share_of_step=exposed / window_s if window_s > 0 else 0.0,
                 a2a_s_per_layer=[v / n for v in a2a.a2a_s_M], a2a_exposed_s_per_layer=[v / n for v in a2a.exposed_s_M],
                 a2a_s_per_layer_phase=[{k: [v[0] / n, v[1] / n] for k, v in p.items()} for p in a2a.by_phase_M],
