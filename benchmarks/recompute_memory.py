@@ -1,10 +1,9 @@
 """Activation memory per selective-recompute module, measured on the CPU beside the planner's activation bytes.
 
 For each setting (no recompute, each module alone, the default set, all but ``moe``, full) a fresh process builds one
-model, runs one forward of a batch with gradients recorded and reads how much its resident memory grew: what the
-graph keeps for the backward (the model and its input exist before the first reading; the loss is a scalar).
-Allocations of 16 KiB and more are mmap'd (``MALLOC_MMAP_THRESHOLD_``), so a freed tensor leaves the resident set
-at once and the growth is the bytes still held. Beside it, the planner's activation memory for the same model, batch
+model and runs one forward of a batch with gradients recorded under torch's profiler with memory recording: the sum
+of the forward's CPU allocations and frees is what stays allocated, the tensors the graph keeps for the backward
+(the model and its input exist before; the loss is a scalar). Beside it, the planner's activation memory for the same model, batch
 and recompute (``moetrain.plan.model.predict`` of the trainer's plan: one micro-batch in flight, fp32 activations)
 and the ratio. Run alone; takes about a minute.
 
@@ -18,19 +17,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 SETTINGS = [("none", None), *[(m, m) for m in ("core_attn", "mla_up_proj", "layernorm", "mlp", "shared_experts",
                                                 "moe_act", "moe")],
             ("default", ""), ("all but moe", "core_attn,mla_up_proj,layernorm,mlp,shared_experts,moe_act"),
             ("full", "full")]
-
-
-def rss() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def child(preset: str, batch: int, seq: int, setting: str | None) -> None:
@@ -56,10 +47,12 @@ def child(preset: str, batch: int, seq: int, setting: str | None) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     with torch.no_grad():
-        model(x, y)  # warm-up: one-time allocations (RoPE cache, kernels' workspaces) before the first reading
-    before = rss()
-    loss = model(x, y).loss(cfg)
-    held = rss() - before
+        model(x, y)  # warm-up: one-time allocations (RoPE cache) before the reading
+    # every CPU allocation and free of the forward, as torch's profiler records them: their sum is what is still
+    # allocated when the forward returns -- the tensors the graph keeps for the backward, and the scalar loss
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = model(x, y).loss(cfg)
+    held = sum(e.self_cpu_memory_usage for e in prof.events())
     loss.backward()
     print(json.dumps({"held": held}))
 
@@ -78,7 +71,10 @@ def planner_bytes(preset: str, batch: int, seq: int, setting: str | None) -> flo
     else:
         lay = Layout(recompute=Recompute.SELECTIVE, recompute_modules=tuple(setting.split(",")) if setting else None)
     lay = lay.replace(precision=Precision.FP32, optimizer="fp32", dp=1)
-    pred = predict(cfg, "local", 1, trainer_plan(cfg, lay, batch, 1, seq), _ignore_memory=True)
+    # activation bytes depend on the plan and its precision, not on the GPU: any catalogue entry gives them
+    # one process (EP 1) holds every expert: max/mean rows per EP rank is 1 by definition
+    plan = trainer_plan(cfg, lay, batch, 1, seq).replace(imbalance=1.0)
+    pred = predict(cfg, "h100", 1, plan, _ignore_memory=True)
     return pred.memory.activations * 2 ** 30
 
 
@@ -92,11 +88,12 @@ def main() -> int:
     if a.child is not None:
         child(a.preset, a.batch, a.seq, None if a.child == "<none>" else a.child)
         return 0
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "16384"}
+    env = {**os.environ}
     print(f"{a.preset}, {a.batch} x {a.seq} tokens, fp32, one forward kept for the backward\n")
-    print("| recompute | measured MiB | planner MiB | measured / planner | measured vs none |")
-    print("|---|---:|---:|---:|---:|")
-    base = None
+    print("| recompute | measured MiB | planner MiB | measured / planner | saved vs none, measured MiB | "
+          "saved vs none, planner MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    base = plan_base = None
     for label, setting in SETTINGS:
         out = subprocess.run([sys.executable, __file__, "--preset", a.preset, "--batch", str(a.batch), "--seq",
                               str(a.seq), "--child", "<none>" if setting is None else setting],
@@ -104,7 +101,9 @@ def main() -> int:
         held = json.loads(out.strip().splitlines()[-1])["held"]
         base = held if base is None else base
         plan = planner_bytes(a.preset, a.batch, a.seq, setting)
-        print(f"| {label} | {held / 2**20:.1f} | {plan / 2**20:.1f} | {held / plan:.2f} | {held / base:.2f} |")
+        plan_base = plan if plan_base is None else plan_base
+        print(f"| {label} | {held / 2**20:.1f} | {plan / 2**20:.1f} | {held / plan:.2f} | "
+              f"{(base - held) / 2**20:.1f} | {(plan_base - plan) / 2**20:.1f} |")
     return 0
 
 

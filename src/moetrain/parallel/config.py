@@ -62,9 +62,10 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
         out.append(("CUDA graphs", f"cuda_graphs={layout.cuda_graphs!r}; the trainer launches eagerly (none)"))
     if layout.fused_mlp:
         out.append(("the fused grouped-MLP kernel", "fused_mlp=true; the trainer runs the unfused grouped MLP"))
-    if not layout.dp_overlap:
-        out.append(("data-parallel communication without overlap",
-                    "dp_overlap=false; FSDP2 always prefetches its all-gathers and overlaps its reduce-scatters"))
+    if not layout.dp_overlap and layout.pp > 1:
+        out.append(("data-parallel communication without overlap under pipelining",
+                    "dp_overlap=false with pp > 1; torch's pipeline schedules reduce each stage's gradients in its "
+                    "last backward (the trainer runs dp_overlap=false at pp 1)"))
     if layout.fsdp and (layout.pp > 1 or layout.ep_overlap):
         out.append(("resharding after every forward and backward",
                     f"fsdp=true with {'pp > 1' if layout.pp > 1 else 'ep_overlap'}: the pipeline schedules and EP "
@@ -144,7 +145,9 @@ class ParallelConfig(Layout):
         fsdp: true = parameters resharded after each forward and backward and all-gathered again (ZeRO-3); false =
             gathered once per step and kept through it (Megatron's distributed-optimizer memory); unset = true at
             pp == 1 without ep_overlap, else false (pipelining and EP overlap keep them gathered).
-        dp_overlap: FSDP2 prefetches the next all-gather and reduce-scatters behind compute; must be true.
+        dp_overlap: true = FSDP2 reduce-scatters each module's gradients behind the rest of the backward; false =
+            all of them after the backward (Megatron without ``--overlap-grad-reduce``; pp == 1 only). The
+            parameter all-gathers are FSDP2's either way.
         mtp_depth: must be unset: the model's depth is ``model.mtp_depth``.
         optimizer: optimizer state precision, sharded over the data-parallel ranks with the parameters: "fp32"
             (fp32 weights, gradients and moments; torch's fused AdamW), "bf16-moments" (DeepSeek-V3: fp32 weights and

@@ -92,15 +92,27 @@ class SequentialRunner:
     """PP = 1: the micro-batches one after the other through the one stage. Under FSDP2 the gradients are reduced
     in the last micro-batch's backward only (the others accumulate locally); with ``parallel.fsdp`` false the
     parameters, gathered at the first forward, stay gathered until the last backward (Megatron's distributed
-    optimizer: one all-gather and one reduce-scatter per step)."""
+    optimizer: one all-gather and one reduce-scatter per step). With ``parallel.dp_overlap`` false the
+    reduce-scatters run after the whole backward instead of behind it (Megatron without ``--overlap-grad-reduce``)."""
 
     def __init__(self, stage: TransformerStage, objective: Objective, ctx: ParallelContext):
         self.stage, self.objective, self.ctx = stage, objective, ctx
         self.fsdp = isinstance(stage, FSDPModule)
         self.keep_gathered = self.fsdp and ctx.pcfg.keeps_params_gathered
+        self.reduce_after = self.fsdp and not ctx.pcfg.dp_overlap
 
     def forward_backward(self, micro_batches: MicroBatches, amp: AbstractContextManager,
                          events: list | None) -> None:
+        if self.reduce_after:
+            defer_fsdp_reduction(self.stage)
+            for x, y in micro_batches:
+                with named_phase("forward (FSDP parameter all-gather or expert dispatch)", self.ctx.distributed), amp:
+                    loss = self.objective(self.stage(tokens_BL=x, labels_BL=y))
+                with named_phase("backward", self.ctx.distributed):
+                    loss.float().backward()
+            with named_phase("gradient sync (after the backward: dp_overlap false)", self.ctx.distributed):
+                finish_fsdp_reduction(self.stage)
+            return
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             if self.fsdp:
