@@ -457,8 +457,24 @@ def test_search_keeps_to_the_framework():
         # FSDP2 as the trainer runs it: resharded after every pass at PP 1 without EP overlap, else kept gathered
         assert p.plan.fsdp == (p.plan.pp == 1 and not p.plan.ep_overlap), p.plan
     assert any(p.plan.fsdp for p in res.ranked)
+    # only plans `moetrain train` runs: never EP overlap beside full (or moe) recompute; every one through plan_job
+    from moetrain.plan.search import trainer_conflicts
+    from moetrain.train.from_plan import PlanFile, plan_job
+
     anyf = search("deepseek-v2-lite-16b", "h100", 16, base, micro_batch=(1,), vpp=(2,), framework=None)
     assert any(p.plan.tp > 1 for p in anyf.ranked)
+    # only plans `moetrain train` runs: where memory needs full recompute, without EP overlap (the paired schedule
+    # does not recompute blocks; unfiltered, 12 of this search's 28 plans paired them); each one through plan_job
+    from moetrain.plan.search import trainer_conflicts
+    from moetrain.train.from_plan import PlanFile, plan_job
+
+    tight = search("deepseek-v2-lite-16b", "h100", 8, base.replace(ep=4, micro_batch=2, seq_len=8192,
+                                                                     precision="bf16"), micro_batch=(2,), vpp=(2,))
+    assert tight.ranked and all(not trainer_conflicts(p.plan) for p in tight.ranked)
+    assert any(p.plan.recompute == "full" and not p.plan.ep_overlap and p.plan.ep > 1 for p in tight.ranked)
+    for p in tight.ranked[:3]:
+        plan_job(PlanFile(p.plan.replace(dp=8 // (p.plan.pp * p.plan.tp * p.plan.cp)), "deepseek-v2-lite-16b",
+                          "h100"))
 
 
 def test_qk_norm_charges_one_more_pass_over_q_and_k():

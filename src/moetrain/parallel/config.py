@@ -88,6 +88,19 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
     return out
 
 
+def ep_overlap_clashes(layout: Layout) -> list[str]:
+    """The layout settings EP overlap (``ep_overlap``) does not run with, as ``"field=value"``: the zbv schedule
+    under pipelining (it splits every backward, so nothing pairs), and recompute of whole blocks (full) or of MoE
+    layers (selective with ``moe``), whose all-to-alls would run again inside a paired backward step. The one list,
+    for the trainer's config, ``--plan`` files and the planner's search for framework moetrain."""
+    mods = ({RECOMPUTE_MODULE_ALIASES.get(m, m) for m in (layout.recompute_modules or ())}
+            if layout.recompute == Recompute.SELECTIVE else set())
+    return [c for c, bad in (
+        (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.resolved_schedule == Schedule.ZBV),
+        ("recompute='full'", layout.recompute == Recompute.FULL),
+        ("recompute_modules=[..., 'moe']", RecomputeModule.MOE in mods)) if bad]
+
+
 @dataclass(frozen=True)
 class ParallelConfig(Layout):
     """How the world is split and what the step runs in: the trainer's layout (moetrain.layout.Layout).
@@ -243,18 +256,16 @@ class ParallelConfig(Layout):
             raise ConfigError("moetrain train cannot run this layout: "
                               + "; ".join(f"{what} (parallel.{why})" for what, why in missing))
         if self.ep_overlap:
-            clash = [f"parallel.{k}={v}" for k, v, bad in (
-                ("schedule", repr(self.schedule), self.pp > 1 and self.schedule == Schedule.ZBV),
-                ("recompute", "'full'", self.recompute == Recompute.FULL),
-                ("recompute_modules", "[..., 'moe']", RecomputeModule.MOE in self.recomputed_modules),
-                ("n_chunks", self.n_chunks, self.n_chunks > 1), ("overlap", "false", not self.overlap)) if bad]
+            clash = ep_overlap_clashes(self) + [f"n_chunks={self.n_chunks}"] * (self.n_chunks > 1) + \
+                ["overlap=false"] * (not self.overlap)
             if clash:
                 raise ConfigError(
-                    f"parallel.ep_overlap=true does not combine with {', '.join(clash)}: the paired schedule runs "
-                    f"without recomputation of whole blocks or MoE layers (their all-to-alls would run again inside "
-                    f"a backward step; selective recompute of the other modules pairs) or token chunks, with asynchronous all-to-alls (parallel.overlap=true), "
-                    f"and under pipelining pairs the full backwards of 1f1b, interleaved or dualpipev (zbv "
-                    f"splits every backward); drop those settings or set parallel.ep_overlap=false")
+                    f"parallel.ep_overlap=true does not combine with {', '.join('parallel.' + c for c in clash)}: "
+                    f"the paired schedule runs without recomputation of whole blocks or MoE layers (their "
+                    f"all-to-alls would run again inside a backward step; selective recompute of the other modules "
+                    f"pairs) or token chunks, with asynchronous all-to-alls (parallel.overlap=true), and under "
+                    f"pipelining pairs the full backwards of 1f1b, interleaved or dualpipev (zbv splits every "
+                    f"backward); drop those settings or set parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 

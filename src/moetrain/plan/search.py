@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from moetrain.layout import Framework, Recompute
-from moetrain.parallel.config import layout_not_runnable
+from moetrain.layout import Framework
+from moetrain.parallel.config import ep_overlap_clashes, layout_not_runnable
 from moetrain.plan.hardware import GPUSpec, get_gpu
 from moetrain.plan.model import Prediction, predict
 from moetrain.plan.plan import Plan, PlanError, default_items
@@ -67,16 +67,12 @@ def framework_conflicts(plan: Plan, framework: str) -> list[str]:
 
 
 def trainer_conflicts(plan: Plan) -> list[str]:
-    """What of ``plan`` ``moetrain train`` refuses (``moetrain.parallel.config.layout_not_runnable``, and EP overlap
-    beside recompute of whole blocks or MoE layers), as phrases; the TP, CP, schedule and precision rules of
-    :data:`FRAMEWORK_PLANS` aside."""
+    """What of ``plan`` ``moetrain train`` refuses (``moetrain.parallel.config.layout_not_runnable`` and
+    ``ep_overlap_clashes``), as phrases; TP and CP, which :data:`FRAMEWORK_PLANS` rules, aside."""
     lay = plan.layout().replace(tp=1, cp=1, mtp_depth=None)
-    out = [f"{what} ({why})" for what, why in layout_not_runnable(lay)
-           if what not in ("tensor parallelism", "context parallelism")]
-    if plan.ep_overlap and plan.ep > 1 and (plan.recompute == Recompute.FULL or
-                                            (plan.recompute == Recompute.SELECTIVE and "moe" in plan.recomputed)):
-        out.append("EP overlap with recompute of whole blocks or MoE layers (the paired schedule would run their "
-                   "all-to-alls again inside a backward step)")
+    out = [f"{what} ({why})" for what, why in layout_not_runnable(lay)]
+    if plan.ep_overlap and plan.ep > 1:
+        out += [f"EP overlap with {c}" for c in ep_overlap_clashes(lay)]
     return out
 
 
@@ -268,6 +264,9 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                                         dispatcher=base.dispatcher)
                                     if rules and rules["fsdp"] == "trainer":
                                         cand = cand.replace(fsdp=not (p > 1 or cand.ep_overlap))
+                                    if fw == Framework.MOETRAIN and trainer_conflicts(cand) and cand.ep_overlap:
+                                        # the paired schedule does not recompute blocks: the rung without it
+                                        cand = cand.replace(ep_overlap=False)
                                     if fw == Framework.MOETRAIN and trainer_conflicts(cand):
                                         invalid += 1  # the trainer would refuse it: not recommended
                                         continue

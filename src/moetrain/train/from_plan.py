@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.errors import ConfigError
-from moetrain.layout import Recompute, Routing, Schedule
-from moetrain.parallel.config import layout_not_runnable
+from moetrain.layout import Routing
+from moetrain.parallel.config import ep_overlap_clashes, layout_not_runnable
 from moetrain.plan.hardware import get_gpu
 from moetrain.plan.plan import Plan
 
@@ -141,12 +141,9 @@ def plan_job(pf: PlanFile) -> PlanJob:
     plan = pf.plan
     layout = plan.layout()  # schedule, dispatcher and CUDA graphs as the plan resolved (and costed) them
     missing = [f"{what} ({why})" for what, why in layout_not_runnable(layout.replace(mtp_depth=None))]
-    if plan.ep_overlap and plan.ep > 1 and plan.recompute == Recompute.FULL:
-        missing.append("expert all-to-all overlap with full recompute (the trainer's paired schedule runs without "
-                       "recomputation; use --recompute none or --no-ep-overlap)")
-    if plan.ep_overlap and plan.ep > 1 and plan.pp > 1 and layout.schedule == Schedule.ZBV:
-        missing.append("expert all-to-all overlap under the zbv schedule (it splits every backward, so nothing "
-                       "pairs; use --schedule dualpipev or --no-ep-overlap)")
+    if plan.ep_overlap and plan.ep > 1:
+        missing += [f"expert all-to-all overlap with {c} (the paired schedule pairs whole backwards and recomputes "
+                    f"no block or MoE layer; change it or use --no-ep-overlap)" for c in ep_overlap_clashes(layout)]
     if missing:
         raise ConfigError("moetrain train cannot run this plan yet: " + "; ".join(missing))
     if not plan.dp:
