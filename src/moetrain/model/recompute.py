@@ -5,17 +5,20 @@ backward (Megatron-Core ``--recompute-granularity selective --recompute-modules`
 Two mechanisms, both torch's own:
 
 * :func:`checkpointed` -- ``torch.utils.checkpoint`` (non-reentrant) around a module's forward: the module keeps its
-  inputs and recomputes everything inside it (``core_attn``, ``mla_up_proj``, ``mlp``, ``shared_experts``, ``moe``).
+  inputs and recomputes everything inside it (``core_attn``, ``mlp``, ``shared_experts``, ``moe``; the insides of
+  the norms and of the expert SwiGLU).
 * :class:`DroppedOutputs` -- for a module whose *output* is what costs memory because the next module saves it (an
-  RMSNorm's output saved by the projections after it; the expert SwiGLU's output saved by the down projection):
-  ``torch.autograd.graph.saved_tensors_hooks`` around the consumer replace every saved view of that output by a
-  token, and the backward's first read recomputes the output from the module's input (Megatron-Core's
-  ``CheckpointWithoutOutput`` does the same with storage tricks). ``layernorm`` and ``moe_act`` use it.
+  RMSNorm's output saved by the projections after it; MLA's up-projected q / k / v saved by RoPE and the attention
+  kernel; the expert SwiGLU's output saved by the down projection): ``torch.autograd.graph.saved_tensors_hooks``
+  around producer and consumers replace every saved view of those outputs by a token, and the backward's first
+  read recomputes them once from the producer's inputs (Megatron-Core's ``CheckpointWithoutOutput`` does the same
+  with storage tricks). ``layernorm``, ``mla_up_proj`` and ``moe_act`` use it. A checkpoint's own inputs are saved
+  through the same hooks, so a checkpointed consumer of a dropped output does not keep it either.
 
-Recomputation replays the same operations on the same inputs under the forward's autocast state, so losses and
-gradients are bit-identical to keeping the activations (tested at EP 2 and under every pipeline schedule). The model
-code stays single-device: ``moetrain.parallel.parallelize`` sets each block's :attr:`Recompute` (a frozenset of
-modules) through :func:`set_recompute`.
+Recomputation replays the same operations on the same inputs under the forward's autocast state and phase-tape
+state (:func:`moetrain.model.phases.replaying`), so losses and gradients are bit-identical to keeping the activations
+(tested at EP 2 with EP overlap and under every pipeline schedule). The model code stays single-device:
+``moetrain.parallel.parallelize`` hands each block the set of modules through :func:`set_recompute`.
 """
 
 from __future__ import annotations

@@ -89,16 +89,17 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
 
 
 def ep_overlap_clashes(layout: Layout) -> list[str]:
-    """The layout settings EP overlap (``ep_overlap``) does not run with, as ``"field=value"``: the zbv schedule
-    under pipelining (it splits every backward, so nothing pairs), and recompute of whole blocks (full) or of MoE
-    layers (selective with ``moe``), whose all-to-alls would run again inside a paired backward step. The one list,
-    for the trainer's config, ``--plan`` files and the planner's search for framework moetrain."""
+    """The layout settings EP overlap (``ep_overlap``) does not run with, each as ``"field=value (why)"``: the zbv
+    schedule under pipelining, and recompute of whole blocks (full) or of MoE layers (selective with ``moe``). The one
+    list, for the trainer's config, ``--plan`` files and the planner's search for framework moetrain."""
     mods = ({RECOMPUTE_MODULE_ALIASES.get(m, m) for m in (layout.recompute_modules or ())}
             if layout.recompute == Recompute.SELECTIVE else set())
+    again = "its all-to-alls would run again inside a paired backward step; selective recompute of other modules pairs"
     return [c for c, bad in (
-        (f"schedule={layout.schedule!r}", layout.pp > 1 and layout.resolved_schedule == Schedule.ZBV),
-        ("recompute='full'", layout.recompute == Recompute.FULL),
-        ("recompute_modules=[..., 'moe']", RecomputeModule.MOE in mods)) if bad]
+        (f"schedule={layout.schedule!r} (zbv splits every backward, so nothing pairs)",
+         layout.pp > 1 and layout.resolved_schedule == Schedule.ZBV),
+        (f"recompute='full' ({again})", layout.recompute == Recompute.FULL),
+        (f"recompute_modules=[..., 'moe'] ({again})", RecomputeModule.MOE in mods)) if bad]
 
 
 @dataclass(frozen=True)
@@ -256,16 +257,13 @@ class ParallelConfig(Layout):
             raise ConfigError("moetrain train cannot run this layout: "
                               + "; ".join(f"{what} (parallel.{why})" for what, why in missing))
         if self.ep_overlap:
-            clash = ep_overlap_clashes(self) + [f"n_chunks={self.n_chunks}"] * (self.n_chunks > 1) + \
-                ["overlap=false"] * (not self.overlap)
+            clash = ep_overlap_clashes(self) + \
+                [f"n_chunks={self.n_chunks} (the paired schedule runs whole micro-batches)"] * (self.n_chunks > 1) + \
+                ["overlap=false (the paired schedule needs asynchronous all-to-alls)"] * (not self.overlap)
             if clash:
-                raise ConfigError(
-                    f"parallel.ep_overlap=true does not combine with {', '.join('parallel.' + c for c in clash)}: "
-                    f"the paired schedule runs without recomputation of whole blocks or MoE layers (their "
-                    f"all-to-alls would run again inside a backward step; selective recompute of the other modules "
-                    f"pairs) or token chunks, with asynchronous all-to-alls (parallel.overlap=true), and under "
-                    f"pipelining pairs the full backwards of 1f1b, interleaved or dualpipev (zbv splits every "
-                    f"backward); drop those settings or set parallel.ep_overlap=false")
+                raise ConfigError(f"parallel.ep_overlap=true does not combine with "
+                                  f"{'; '.join('parallel.' + c for c in clash)}: change that or set "
+                                  f"parallel.ep_overlap=false")
         if not self.timeout_s > 0:
             raise ConfigError(f"parallel.timeout_s={self.timeout_s} must be > 0")
 
@@ -278,6 +276,10 @@ class ParallelConfig(Layout):
         if not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods):
             raise ConfigError(f"parallel.recompute_modules={mods!r} must be a list of module names, e.g. "
                               f"['layernorm', 'moe_act']; allowed: {', '.join(RecomputeModule.values())}")
+        if not mods:
+            raise ConfigError("parallel.recompute_modules is empty, which would recompute nothing: leave it unset for "
+                              "the default set (layernorm, mla_up_proj), name the modules, or set "
+                              "parallel.recompute='none'")
         names = tuple(RECOMPUTE_MODULE_ALIASES.get(m, m) for m in mods)
         bad = [m for m in names if m not in RecomputeModule.values()]
         if bad:

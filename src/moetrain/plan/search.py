@@ -62,7 +62,9 @@ def framework_conflicts(plan: Plan, framework: str) -> list[str]:
     if plan.ep_overlap and not rules["ep_overlap"]:
         out.append("EP overlap (it has none)")
     if framework == Framework.MOETRAIN:
-        out += trainer_conflicts(plan)
+        # a schedule the rules refused above is not named twice
+        refused_schedule = plan.pp > 1 and plan.resolved_schedule not in rules["schedules"]
+        out += trainer_conflicts(plan.replace(schedule=None) if refused_schedule else plan)
     return out
 
 

@@ -16,7 +16,10 @@ Resharding without gathering: every weight and optimizer state is saved as what 
 and routed experts sharded on the expert dim over EP and on dim 1 over DP) or a plain tensor in one process -- under
 its global shape, keys ``model.<fqn>`` and ``optim.<fqn>.<state>``. DCP writes each rank's local box and, on load,
 reads into each rank's box whatever layout wrote it, so a run resumes at another EP, DP (and later PP) size and no
-rank ever holds more than its shard plus one saved chunk in flight. Checkpoints of earlier moetrain versions (one
+rank ever holds more than its shard plus one saved chunk in flight. Weights are saved as fp32 masters whatever the
+optimizer states (``parallel.optimizer``): bf16 weights under ``bf16`` states are saved joined with their 16-bit
+remainders and split again on load, and the Adam moments load into the running run's dtype, so any optimizer
+precision resumes from any other (:mod:`moetrain.train.adamw`). Checkpoints of earlier moetrain versions (one
 entry per expert, ``<key>.<e>``; before that separate ``w1_EFD`` / ``w3_EFD`` halves) load too, each rank reading only
 the boxes of its own experts.
 """

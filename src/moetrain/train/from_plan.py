@@ -142,8 +142,8 @@ def plan_job(pf: PlanFile) -> PlanJob:
     layout = plan.layout()  # schedule, dispatcher and CUDA graphs as the plan resolved (and costed) them
     missing = [f"{what} ({why})" for what, why in layout_not_runnable(layout.replace(mtp_depth=None))]
     if plan.ep_overlap and plan.ep > 1:
-        missing += [f"expert all-to-all overlap with {c} (the paired schedule pairs whole backwards and recomputes "
-                    f"no block or MoE layer; change it or use --no-ep-overlap)" for c in ep_overlap_clashes(layout)]
+        missing += [f"expert all-to-all overlap with {c}; change it or use --no-ep-overlap"
+                    for c in ep_overlap_clashes(layout)]
     if missing:
         raise ConfigError("moetrain train cannot run this plan yet: " + "; ".join(missing))
     if not plan.dp:

@@ -243,6 +243,9 @@ def _recipe_fields(job: JobConfig, ctx: ParallelContext) -> list[LogField]:
             f" ({', '.join(sorted(pcfg.recomputed_modules))})" if pcfg.recomputed_modules else "")),
         LogField("fsdp", on[bool(pcfg.fsdp)]),
         LogField("optimizer states", str(pcfg.optimizer)),
+        *([LogField("node-limited routing", f"M={pcfg.node_limit_m} of {pcfg.ep_nodes} node(s)" + (
+            "" if pcfg.node_limit_m < pcfg.ep_nodes else " (no limit: the EP group spans no more nodes)"))]
+          if pcfg.node_limit_m is not None else []),
         LogField("lr", f"{tc.schedule} {tc.lr:g} -> {tc.min_lr:g}, warm-up {tc.warmup_steps}"
                        if tc.schedule != "constant" else f"constant {tc.lr:g}, warm-up {tc.warmup_steps}"),
         LogField("loss", (f"lm + mtp ({m.mtp_loss_weight:g} x MTP CE)" if m.mtp_depth

@@ -39,9 +39,13 @@ def memory_per_rank(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stag
     """Memory of one GPU of each pipeline rank (:class:`MemoryBreakdown`, GiB); rank ``d`` holds the stages
     ``dev_stages[d]`` of ``stages``. The optimizer states are sharded over the data-parallel group (ZeRO-1), the
     weights and gradients too under FSDP."""
-    opt_shard = {"fp32": 12.0, "bf16-moments": 8.0, "bf16": 6.0}[plan.optimizer]
-    if plan.precision == "fp32" and plan.optimizer == "fp32":
-        opt_shard -= 4.0  # fp32 weights are their own master copy: only the two moments remain
+    # the weights as held: bf16 under the precision-aware "bf16" states whatever the compute precision (their fp32
+    # master is the weight plus a 2-byte remainder in the optimizer), else the compute precision's
+    weight_bytes = 2.0 if plan.optimizer == "bf16" else c.param_bytes
+    # optimizer shard: the fp32 master unless the held weights are fp32 already (then they are their own master),
+    # the bf16 states' remainder, and the two moments
+    master = 2.0 if plan.optimizer == "bf16" else (0.0 if weight_bytes == 4.0 else 4.0)
+    opt_shard = master + {"fp32": 8.0, "bf16-moments": 4.0, "bf16": 4.0}[plan.optimizer]
     # FP8 working copies of the weights: MXFP8 needs a row-wise and a column-wise (transposed) copy, each with its
     # own 1x32 scales; 128x128 block-scaled FP8 weights are transpose-symmetric, one copy serves both GEMMs
     fp8_copy = {"mxfp8": 2.0, "fp8": 1.0}.get(plan.precision, 0.0)
@@ -54,7 +58,7 @@ def memory_per_rank(c: CostContext, plan: Plan, costs: dict[str, ItemCost], stag
         if plan.fsdp:  # weights and gradients sharded too (+ one gathered block at a time, in the reserve)
             shard_w = (pd / (plan.dp * plan.cp) + pe / plan.edp) / max(pd + pe, 1.0)
         mems.append(MemoryBreakdown(
-            weights=(pd + pe) * shard_w * (0.0 if plan.fp8_param else c.param_bytes) / GIB,
+            weights=(pd + pe) * shard_w * (0.0 if plan.fp8_param else weight_bytes) / GIB,
             fp8_weights=(pd + pe) * fp8_copy / GIB,
             gradients=(pd + pe) * shard_w * c.grad_bytes / GIB,
             optimizer=(pd / (plan.dp * plan.cp) + pe / plan.edp) * opt_shard / GIB,

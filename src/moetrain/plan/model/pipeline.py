@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.layout import Framework
 from moetrain.plan.model.context import P2P_LATENCY_S, CostContext
 from moetrain.plan.model.cost import ItemCost
 from moetrain.plan.plan import Plan, balanced_partition, default_items, layout_items, n_pipeline_stages
@@ -19,8 +20,16 @@ def stage_items(shape: ModelShape, plan: Plan, item_times: dict[str, float]) -> 
     if plan.pp_layout:
         return layout_items(plan.pp_layout, shape, n_stages)
     items = default_items(shape)
-    parts = balanced_partition([item_times[i] for i in items], n_stages)
-    return [items[a:b] for a, b in parts]
+    # moetrain's pipeline-stage contract (moetrain.model.stage): the MTP modules run on the last stage, with the
+    # output head they share -- they are one unit of the split there
+    units: list[list[str]] = [[i] for i in items]
+    if plan.framework == Framework.MOETRAIN:
+        tail = len(items) - 1
+        while tail > 0 and items[tail - 1] == "m":
+            tail -= 1
+        units = [[i] for i in items[:tail]] + [items[tail:]]
+    parts = balanced_partition([sum(item_times[i] for i in u) for u in units], n_stages)
+    return [[i for u in units[a:b] for i in u] for a, b in parts]
 
 
 def device_stages(plan: Plan, n_stages: int) -> list[list[int]]:
