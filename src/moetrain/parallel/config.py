@@ -147,7 +147,7 @@ class ParallelConfig(Layout):
         recompute: "none", "full" (each block recomputed in backward from its input) or "selective" (the modules of
             recompute_modules, ``moetrain.model.recompute``; bit-identical losses and gradients).
         recompute_modules: selective recompute's modules, Megatron-Core's ``--recompute-modules`` names
-            (:class:`~moetrain.layout.RecomputeModule`: core_attn, mla_up_proj, layernorm, mlp, moe, moe_act,
+            (moetrain.layout.RecomputeModule: core_attn, mla_up_proj, layernorm, mlp, moe, moe_act,
             shared_experts; "norm" is accepted for layernorm); unset = the planner's default set (layernorm,
             mla_up_proj). Only with recompute "selective"; "moe" (its all-to-alls run again in the backward) not
             with ep_overlap.
