@@ -15,7 +15,7 @@ from .pipeline_workers import pipeline_train_run
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("fsdp", [True, False])
+@pytest.mark.parametrize("fsdp", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_reductions_after_the_backward_train_as_the_overlapped_ones(fsdp):
     layout = {"ep": 2, "fsdp": fsdp}
     a = ok_values(run_ranks(2, pipeline_train_run, layout, 3))

@@ -17,7 +17,7 @@ def _run(pcfg: dict, run_dir, steps: range, save_at: int | None = None, resume: 
 
 
 @pytest.mark.parametrize("states, held, moments, bytes_per_param", [
-    ("bf16-moments", {"torch.float32"}, {"torch.bfloat16"}, 4),
+    pytest.param("bf16-moments", {"torch.float32"}, {"torch.bfloat16"}, 4, marks=pytest.mark.slow),
     ("bf16", {"torch.bfloat16"}, {"torch.bfloat16"}, 6),
 ])
 def test_states_are_held_as_named_and_resume_is_exact(tmp_path, states, held, moments, bytes_per_param):
