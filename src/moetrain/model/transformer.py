@@ -11,7 +11,6 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from moetrain.layout import RecomputeModule
@@ -48,10 +47,10 @@ class Block(Recomputable, nn.Module):
 
     def forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 valid_BL: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEStats | None]:
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute:
             # Non-reentrant checkpoint: MoE stats come from this first forward; the recomputation in backward is
             # discarded, so expert loads are counted once (auxiliary-loss-free balancing is unaffected).
-            return torch.utils.checkpoint.checkpoint(self._forward, x_BLD, cos, sin, valid_BL, use_reentrant=False)
+            return checkpointed(self._forward, x_BLD, cos, sin, valid_BL)
         return self._forward(x_BLD, cos, sin, valid_BL)
 
     def _forward(self, x_BLD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
