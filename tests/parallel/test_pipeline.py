@@ -184,8 +184,10 @@ def test_unset_grad_accum_becomes_the_schedule_minimum_and_plan_files_map():
     assert pj.world == 2 and pj.sections["train"]["grad_accum"] == 4 and par["dp"] == 1 and par["schedule"] == "interleaved"
     job = load_job_config(None, [], world=pj.world, plan=pj.sections)
     assert (job.parallel.pp, job.parallel.vpp, job.train.micro_batch_size) == (2, 2, 4)
-    with pytest.raises(ConfigError, match=r"tensor parallelism \(tp=2.*FP8 primary weights"):
+    with pytest.raises(ConfigError, match=r"tensor parallelism \(tp=2"):
         plan_job(PlanFile(plan_from_dict({**plan, "tp": 2, "fp8_param": True, "precision": "fp8"})))
+    fp8 = plan_job(PlanFile(plan_from_dict({**plan, "fp8_param": True, "precision": "fp8"}), model="tiny"))
+    assert fp8.sections["parallel"]["fp8_param"] is True
     sel = plan_job(PlanFile(plan_from_dict({**plan, "recompute": "selective", "recompute_modules": ["mlp"]})))
     assert sel.sections["parallel"]["recompute_modules"] == ("mlp",)
     assert json.dumps(pj.sections)  # typed values that are still plain JSON

@@ -453,7 +453,7 @@ def test_search_keeps_to_the_framework():
     res = search("deepseek-v2-lite-16b", "h100", 16, base, micro_batch=(1,), vpp=(2,))
     assert res.ranked and res.framework == "moetrain"
     for p in res.ranked:
-        assert p.plan.tp == 1 and p.plan.cp == 1 and p.plan.precision == "bf16"
+        assert p.plan.tp == 1 and p.plan.cp == 1 and p.plan.precision == "fp8"
         # FSDP2 as the trainer runs it: resharded after every pass at PP 1 without EP overlap, else kept gathered
         assert p.plan.fsdp == (p.plan.pp == 1 and not p.plan.ep_overlap), p.plan
     assert any(p.plan.fsdp for p in res.ranked)

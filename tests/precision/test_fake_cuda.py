@@ -43,6 +43,7 @@ from moetrain.precision.apply import apply_fp8
 from moetrain.precision.gemm import operand_t, scaled_mm_fast
 from moetrain.precision.grouped import RowwiseFp8GroupedMM, aligned_layout
 from moetrain.precision.linear import Fp8Linear, Fp8LinearFunction
+from moetrain.precision.primary_weights import Fp8HeldWeight
 from moetrain.precision.quant import FP8_DTYPE, quantise
 from moetrain.precision.recipe import BLOCKWISE, MXFP8, Fp8Recipe
 
@@ -371,3 +372,44 @@ def test_fp8_linear_with_bf16_weights(gpu):
         y, dx, dw = _run_linear(_cuda(1024, 7168, dtype=torch.bfloat16), _cuda(2048, 7168, dtype=torch.bfloat16),
                                 BLOCKWISE)
     assert log.calls == ["scaled_mm"] * 3 and dw.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+
+
+# ---- FP8 primary weights (parallel.fp8_param) --------------------------------------------------------------------
+
+def _held(w: torch.Tensor, tile: tuple[int, int], r: Fp8Recipe) -> Fp8HeldWeight:
+    """What FSDP2 hands the GEMMs under fp8_param: the gathered FP8 data and the full weight's scales."""
+    q = quantise(w, tile, r.fmt)
+    return Fp8HeldWeight(q, torch.bfloat16)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "deepseek-v3-671b"])
+def test_held_fp8_weights_reach_the_kernels_without_a_weight_quantisation(gpu, preset, monkeypatch):
+    """The blockwise linear's three GEMMs and the row-wise experts' three grouped GEMMs take a held weight's FP8
+    data and scales as torch's checks demand: the linear quantises only x and dy (never W, whose 128x128 blocks
+    serve fprop and dgrad); the experts quantise W once, for the dgrad's per-column scales."""
+    gpu(HOPPER)
+    calls: list[tuple[int, ...]] = []
+    real = fused.quantise
+    monkeypatch.setattr(fused, "quantise", lambda x, tile, fmt="fp32": calls.append(tuple(x.shape)) or
+                        real(x, tile, fmt))
+    M = TOKENS[preset]
+    E, S, gemms = _expert_gemms(preset)
+    with FakeTensorMode():
+        for K, N in _linear_shapes(preset)[:3]:
+            calls.clear()
+            with KernelLog() as log:
+                y, dx, dw = _run_linear(_cuda(M, K, dtype=torch.bfloat16),
+                                        _held(_cuda(N, K), BLOCKWISE.weight_fprop_tile, BLOCKWISE), BLOCKWISE)
+            assert log.calls == ["scaled_mm"] * 3 and (N, K) not in calls, (K, N, log.calls, calls)
+            assert (y.shape, dx.shape, dw.shape, dw.dtype) == ((M, N), (M, K), (N, K), torch.bfloat16)
+        lay = aligned_layout(_cuda(E, dtype=torch.int64), S, BLOCKWISE.group_align)
+        for K, N in gemms:
+            calls.clear()
+            w = _held(_cuda(E, N, K), BLOCKWISE.expert_row_tile, BLOCKWISE)
+            ctx = Ctx(5)
+            with KernelLog() as log:
+                RowwiseFp8GroupedMM.forward(ctx, _cuda(lay.n_rows, K, dtype=torch.bfloat16), w, lay.offs_E,
+                                            BLOCKWISE, torch.bfloat16)
+                RowwiseFp8GroupedMM.backward(ctx, _cuda(lay.n_rows, N, dtype=torch.bfloat16))
+            assert log.calls == ["scaled_grouped_mm"] * 3, log.calls
+            assert [c for c in calls if len(c) == 3] == [(E, K, N)], calls  # W^T for the dgrad only

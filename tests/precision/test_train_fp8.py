@@ -83,18 +83,17 @@ def test_fp8_training_follows_bf16():
 
 
 def test_each_layout_precision_runs_its_fp8_recipe_in_the_trainer():
-    # The production path: the trainer's _apply_precision reads parallel.precision through the one map and swaps in
-    # that recipe's GEMMs (or none), for every precision the planner names.
-    from moetrain.config import JobConfig
+    # The production path: apply_precision (the trainer's and the dry run's) reads parallel.precision through the
+    # one map and swaps in that recipe's GEMMs (or none), for every precision the planner names.
     from moetrain.parallel.dispatch import DISPATCH_DTYPES
+    from moetrain.precision.apply import apply_precision
     from moetrain.plan.plan import DISPATCH_PRECISIONS, PRECISIONS
-    from moetrain.train.trainer import _apply_precision
 
     expected = {"bf16": None, "fp32": None, "fp8": "blockwise", "mxfp8": "mxfp8"}
     assert set(PRECISIONS) == set(expected)
     for p, recipe in expected.items():
         model = build_model(_tiny(), device="meta")
-        _apply_precision(model, JobConfig(parallel=ParallelConfig(precision=p)))  # type: ignore[arg-type]
+        apply_precision(model, ParallelConfig(precision=p).precision)  # type: ignore[arg-type]
         got = {m.fp8_recipe.name for m in model.modules() if isinstance(m, (Fp8Linear, GroupedExperts))
                and m.fp8_recipe is not None}
         assert got == ({recipe} if recipe else set()), p

@@ -56,8 +56,6 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
     if layout.recompute != Recompute.SELECTIVE and layout.recompute_modules is not None:
         out.append(("recompute modules", f"recompute_modules={list(layout.recompute_modules)}; only selective "
                     f"recompute takes them"))
-    if layout.fp8_param:
-        out.append(("FP8 primary weights", "fp8_param=true; the trainer keeps fp32 masters and quantises per GEMM"))
     if layout.cuda_graphs is not None and layout.cuda_graphs != CudaGraphs.NONE:
         out.append(("CUDA graphs", f"cuda_graphs={layout.cuda_graphs!r}; the trainer launches eagerly (none)"))
     if layout.fused_mlp:
@@ -168,7 +166,11 @@ class ParallelConfig(Layout):
             gradients, bf16 moments) or "bf16" (Megatron's precision-aware optimizer: bf16 weights, gradients and
             moments, the exact fp32 master kept as a 16-bit remainder; needs a process group, as moetrain train
             always has). A run resumes into another of them (the checkpoint keeps fp32 masters; moments converted).
-        fp8_param: FP8 primary weights; not implemented (false).
+        fp8_param: FP8 primary weights (needs precision fp8 or mxfp8): the FP8 GEMMs' weights are quantised once
+            per optimizer step from their masters and FSDP2 all-gathers the FP8 bytes (Megatron's
+            ``--fp8-param-gather``; ``moetrain.precision.primary_weights``). The fp32 masters stay sharded in the
+            optimizer. Losses equal FP8 without it where the backward reads the weight in its forward tiles
+            (the blockwise recipe's linears); elsewhere the dgrad's weight is quantised again from the held FP8.
         cuda_graphs: the trainer launches eagerly ("none").
         fused_mlp: the fused grouped-MLP kernel; not implemented (false).
         capacity_factor: None = dropless (default); else tokens beyond ceil(cf * T * K / E) per expert are dropped.
@@ -236,6 +238,14 @@ class ParallelConfig(Layout):
         for name in ("ep_overlap", "overlap", "fused_mlp", "fp8_param", "dp_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"parallel.{name}={getattr(self, name)!r} must be true or false")
+        if self.fp8_param and self.precision not in (Precision.FP8, Precision.MXFP8):
+            raise ConfigError(f"parallel.fp8_param=true holds the weights of the FP8 GEMMs in FP8, and "
+                              f"parallel.precision={str(self.precision)!r} runs none: set parallel.precision to fp8 "
+                              f"or mxfp8, or fp8_param false")
+        if self.fp8_param and self.redundant_experts:
+            raise ConfigError("parallel.fp8_param=true with parallel.redundant_experts: the expert copies are made "
+                              "from the high-precision weights, which fp8_param does not gather; set one of them "
+                              "off")
         if self.fsdp is not None and not isinstance(self.fsdp, bool):
             raise ConfigError(f"parallel.fsdp={self.fsdp!r} must be true, false or unset")
         for name in ("redundant_experts", "rebalance_every"):

@@ -26,7 +26,7 @@ import datetime
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetrain.model.config import ConfigError
 from moetrain.parallel.config import ParallelConfig
+from moetrain.precision.primary_weights import ParamTraffic
 
 MESH_DIMS = ("pp", "edp", "ep")
 
@@ -78,6 +79,8 @@ class ParallelContext:
     pcfg: ParallelConfig
     mesh: DeviceMesh | None = None
     flat_mesh: DeviceMesh | None = None  # "dp", kept here: slicing a flattened dim from the root is deprecated
+    #: bytes received for the parameters (FSDP2's all-gathers, the FP8 weights' scale exchange), for the metrics
+    param_traffic: ParamTraffic = field(default_factory=ParamTraffic)
 
     @property
     def distributed(self) -> bool:

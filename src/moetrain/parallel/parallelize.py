@@ -8,15 +8,18 @@
 2. Chunked overlap: MoE layers split their tokens into ``n_chunks``.
 3. Activation checkpointing of every block (main and MTP): full (the block from its input) or selective (the modules
    of ``parallel.recompute_modules``, :mod:`moetrain.model.recompute`), if asked.
-4. FSDP2 ``fully_shard``: expert weights over the EDP mesh (ranks holding the same experts), then every block and the
+4. FP8 primary weights (``parallel.fp8_param``): the weights of the FP8 GEMMs become FP8 masters
+   (:mod:`moetrain.precision.primary_weights`), which FSDP2 all-gathers as FP8 bytes, quantised once per step.
+5. FSDP2 ``fully_shard``: expert weights over the EDP mesh (ranks holding the same experts), then every block and the
    root over all ranks of the stage (the flattened edp x ep mesh: DP). Gradients are *summed*, not averaged (divide
    factor 1): the trainer normalises the loss by global token and sequence counts, so the summed gradient is the
    gradient of the global mean loss whatever the split over ranks and micro-batches. Expert weights receive every EP
    peer's tokens through the all-to-all backward, so summing over DP completes their sum over all tokens. On GPU a
    ``param_dtype`` (bf16) makes FSDP all-gather and compute in bf16 while reducing gradients in fp32.
 
-The order matters: EP placement must precede sharding (FSDP shards what it is given), and experts must be wrapped
-before their block so their parameters leave the block's group.
+The order matters: EP placement must precede sharding (FSDP shards what it is given), the FP8 masters must be in
+place when FSDP2 shards (it looks for their all-gather extension then), and experts must be wrapped before their
+block so their parameters leave the block's group.
 
 ``parallelize`` takes a materialised model (every rank built the same weights) or, for any model size, one built on
 the meta device: then :func:`materialize` allocates only the local shards and initialises them with the
@@ -43,6 +46,7 @@ from moetrain.parallel.comm import named_phase
 from moetrain.parallel.dispatch import AllToAllDispatcher
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.redundant import LayerReplicas
+from moetrain.precision.primary_weights import ParamTraffic
 
 
 def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dtype | None = None) -> Transformer:
@@ -91,7 +95,11 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
     for block in blocks:
         block.recompute = pcfg.recompute == Recompute.FULL
         set_recompute(block, pcfg.recomputed_modules)
-    # 4. FSDP2
+    # 4. FP8 primary weights: the FP8 GEMMs' weights wrapped as FP8 masters, so that FSDP2 gathers their FP8 bytes
+    if pcfg.fp8_param:
+        from moetrain.precision.apply import hold_weights_in_fp8
+        hold_weights_in_fp8(model, ctx.param_traffic)
+    # 5. FSDP2
     if ctx.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
@@ -116,12 +124,36 @@ def parallelize(model: Transformer, ctx: ParallelContext, param_dtype: torch.dty
         # as FSDP2 does for a root by default and TorchTitan does for its norm and output: the backward starts with
         # the output head and the loss, which would all-gather the same weights again at once.
         fully_shard(model, mesh=ctx.fsdp_mesh, reshard_after_forward=False, **kw)
+        gather = CountingAllGather(ctx.param_traffic)
         for mod in model.modules():
             if hasattr(mod, "set_gradient_divide_factor"):
                 mod.set_gradient_divide_factor(1.0)
                 # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling anyway.
                 mod.set_force_sum_reduction_for_comms(True)
+                mod.set_custom_all_gather(gather)
     return model
+
+
+#: The single-tensor all-gather FSDP2's default uses: ``all_gather_single`` (torch 2.13, which deprecates the older
+#: name), ``all_gather_into_tensor`` (torch 2.11, which has only it).
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class CountingAllGather:
+    """FSDP2's parameter all-gather (the contract of ``FSDPModule.set_custom_all_gather``: ``allocate`` and the
+    call), the plain ``all_gather_into_tensor`` of its default, counting the bytes each call brings this rank into
+    ``traffic.gathered_bytes`` (the metrics' ``param_gather_bytes_per_step``)."""
+
+    def __init__(self, traffic: ParamTraffic) -> None:
+        self.traffic = traffic
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Any:
+        self.traffic.gathered_bytes += output_tensor.numel() * output_tensor.element_size()
+        return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def _node_limit(n_experts: int, top_k: int, n_nodes: int, m: int) -> tuple[int, int]:

@@ -12,6 +12,8 @@ re-exported here: importing this package must not import the model.
 * :mod:`~moetrain.precision.grouped` -- aligned expert groups and the FP8 grouped GEMM of the routed experts
   (``fp8_grouped_mm``; ``grouped_reference``, its definition, for checks on a GPU).
 * :mod:`~moetrain.precision.recipe` -- the "blockwise" (DeepSeek-V3) and "mxfp8" (OCP MX) recipes.
+* :mod:`~moetrain.precision.primary_weights` -- FP8 primary weights (``parallel.fp8_param``): weights held in FP8,
+  quantised once per optimizer step, all-gathered by FSDP2 as FP8 bytes.
 
 See docs/fp8.md for the recipes and their sources.
 """

@@ -1,4 +1,5 @@
-"""``apply_fp8``: switch a model's GEMMs to an FP8 recipe in place, keeping every parameter as it is."""
+"""``apply_fp8``: switch a model's GEMMs to an FP8 recipe in place, keeping every parameter as it is;
+``hold_weights_in_fp8``: hold their weights in FP8 (``parallel.fp8_param``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from torch import nn
 from moetrain.model.layers import Attention, Linear, SwiGLU
 from moetrain.model.experts import GroupedExperts
 from moetrain.precision.linear import Fp8Linear
-from moetrain.precision.recipe import Fp8Recipe, get_recipe
+from moetrain.precision.primary_weights import HeldFormat, ParamTraffic, hold_in_fp8
+from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8, Fp8Recipe, get_recipe
 
 #: SwiGLU (dense FFN and shared experts) linears.
 SWIGLU_LINEARS = ("w1", "w2", "w3")
@@ -59,4 +61,45 @@ def apply_fp8(model: nn.Module, recipe: str | Fp8Recipe | None) -> list[str]:
             if lin is not None:
                 _fp8_linear(lin, r)
                 done.append(prefix + child)
+    return sorted(done)
+
+
+def apply_precision(model: nn.Module, precision: str) -> list[str]:
+    """The FP8 GEMMs of ``parallel.precision`` (fp8 / mxfp8: :data:`~moetrain.precision.recipe.
+    PLAN_PRECISION_TO_FP8`; "auto", bf16 and fp32 run none) swapped into the single-device (meta) model before it is
+    parallelized; returns :func:`apply_fp8`'s names."""
+    return apply_fp8(model, PLAN_PRECISION_TO_FP8.get(str(precision), "none"))
+
+
+def held_format(module: nn.Module) -> HeldFormat | None:
+    """How ``fp8_param`` holds the weights of ``module``: the fprop tile of an FP8 linear's weight or of FP8 routed
+    experts' stacked weights (``recipe.py``'s tables), None for a module that runs no FP8 GEMM."""
+    if not isinstance(module, (Fp8Linear, GroupedExperts)):
+        return None
+    r = module.fp8_recipe
+    if r is None:
+        return None
+    if isinstance(module, GroupedExperts) and r.expert_scaling == "rowwise":
+        return HeldFormat(r.expert_row_tile, r.fmt)
+    return HeldFormat(r.weight_fprop_tile, r.fmt)
+
+
+def hold_weights_in_fp8(model: nn.Module, traffic: ParamTraffic | None = None) -> list[str]:
+    """FP8 primary weights (``parallel.fp8_param``, ``moetrain.precision.primary_weights``): wrap the weight of
+    every module :func:`apply_fp8` switched as an FP8 master, in place, before FSDP2 shards the model (on meta or
+    materialised). Parameter names, shapes and dtypes are unchanged; ``traffic`` counts their scale exchange.
+    Returns the qualified parameter names held: none where no module runs FP8 GEMMs (``apply_fp8`` first; a
+    pipeline stage of only the embedding has none). ``parallel.fp8_param`` without an FP8 precision is refused by
+    the config.
+    """
+    done: list[str] = []
+    for name, mod in model.named_modules():
+        fmt = held_format(mod)
+        if fmt is None:
+            continue
+        names = ("weight",) if isinstance(mod, Fp8Linear) else ("w13_E2FD", "w2_EDF")
+        for pname in names:
+            p = getattr(mod, pname)
+            setattr(mod, pname, nn.Parameter(hold_in_fp8(p.detach(), fmt, traffic), requires_grad=p.requires_grad))
+            done.append(f"{name}.{pname}" if name else pname)
     return sorted(done)

@@ -39,6 +39,7 @@ from moetrain import devices
 from moetrain.precision import fused
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
 from moetrain.precision.gemm import matmul_fp32_precision, warn_emulated
+from moetrain.precision.primary_weights import weight_operand, weight_source
 from moetrain.precision.quant import fake_quantise, fake_quantise_groups
 from moetrain.precision.recipe import Fp8Recipe
 
@@ -201,14 +202,14 @@ class RowwiseFp8GroupedMM(torch.autograd.Function):
         with torch.autocast(x_PK.device.type, enabled=False):
             if kernel:
                 xq = fused.quantise(x_PK, r.expert_row_tile, r.fmt)
-                wq = fused.quantise(w_ENK, r.expert_row_tile, r.fmt)
+                wq = weight_operand(w_ENK, r.expert_row_tile, r.fmt, kernel=True)
                 y = torch._scaled_grouped_mm(xq.data, wq.data.transpose(-2, -1), xq.scale.squeeze(-1),
                                              wq.scale.squeeze(-1), offs=offs_E, out_dtype=torch.bfloat16)
                 xg, sxg = fused.quantise_by_group(x_PK, group_P, E, r.fmt, chunk, column_major=True)
                 ctx.save_for_backward(xg, sxg, w_ENK, offs_E, group_P)
             else:
                 y = _gmm(fake_quantise(x_PK, r.expert_row_tile, r.fmt),
-                         fake_quantise(w_ENK, r.expert_row_tile, r.fmt), offs_E)
+                         weight_operand(w_ENK, r.expert_row_tile, r.fmt, kernel=False), offs_E)
                 xg = fake_quantise_groups(x_PK, group_P, E, r.fmt, chunk)
                 ctx.save_for_backward(xg, w_ENK, offs_E, group_P)
         ctx.recipe, ctx.kernel, ctx.chunk = r, kernel, chunk
@@ -230,12 +231,13 @@ class RowwiseFp8GroupedMM(torch.autograd.Function):
                 if ctx.kernel:
                     dyq = fused.quantise(dy_PN, r.expert_row_tile, r.fmt)
                     # W per input column over N: the rows of W^T (E, K, N), laid out as the kernel's (E, N, K)
-                    wq = fused.quantise(w_ENK.transpose(-2, -1), r.expert_row_tile, r.fmt)
+                    wq = fused.quantise(weight_source(w_ENK).transpose(-2, -1), r.expert_row_tile, r.fmt)
                     dx = torch._scaled_grouped_mm(dyq.data, wq.data.transpose(-2, -1), dyq.scale.squeeze(-1),
                                                   wq.scale.squeeze(-1), offs=offs_E, out_dtype=torch.bfloat16)
                 else:
                     dx = _gmm(fake_quantise(dy_PN, r.expert_row_tile, r.fmt),
-                              fake_quantise(w_ENK, r.expert_col_tile, r.fmt).transpose(-2, -1), offs_E)
+                              weight_operand(w_ENK, r.expert_col_tile, r.fmt, kernel=False).transpose(-2, -1),
+                              offs_E)
                 dx = _zero_tail(dx, offs_E.select(0, -1)).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 if ctx.kernel:
@@ -268,7 +270,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
             warn_emulated("routed-expert GEMMs", recipe.fmt, x_PK.device,
                           f"moetrain has no FP8 grouped kernel for {recipe.name}'s tiles (grouped.py)")
         xq = fake_quantise(x_PK, recipe.row_tile, recipe.fmt)
-        wq = fake_quantise(w_ENK, recipe.weight_fprop_tile, recipe.fmt)
+        wq = weight_operand(w_ENK, recipe.weight_fprop_tile, recipe.fmt, kernel=False)
         with torch.autocast(x_PK.device.type, enabled=False):
             y = _gmm(xq, wq, offs_E)
         ctx.recipe, ctx.x_dtype, ctx.w_dtype = recipe, x_PK.dtype, w_ENK.dtype
@@ -291,7 +293,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         with torch.autocast(dy_PN.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 if w_dgrad is None:
-                    w_dgrad = fake_quantise(w_ENK, r.weight_dgrad_tile, r.fmt)
+                    w_dgrad = weight_operand(w_ENK, r.weight_dgrad_tile, r.fmt, kernel=False)
                 dyq = fake_quantise(dy_PN, r.row_tile, r.fmt)
                 dx = _gmm(dyq, w_dgrad.transpose(-2, -1), offs_E).to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:

@@ -18,6 +18,7 @@ from torch import nn
 from moetrain.precision.cpu_bf16 import runs_no_bf16_gemm
 from moetrain.precision.fused import requantise_t
 from moetrain.precision.gemm import operand, operand_mm, operand_t, uses_fp8_kernel
+from moetrain.precision.primary_weights import held_quantised, weight_operand
 from moetrain.precision.quant import Quantized, ScaleFormat
 from moetrain.precision.recipe import Fp8Recipe
 
@@ -48,13 +49,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         out_dtype = _out_dtype(x_MK)
         kernel = uses_fp8_kernel(x_MK.device)
         xq = operand(x_MK, recipe.row_tile, recipe.fmt, kernel)
-        wq = operand(w_NK, recipe.weight_fprop_tile, recipe.fmt, kernel)
+        wq = weight_operand(w_NK, recipe.weight_fprop_tile, recipe.fmt, kernel)
         with torch.autocast(x_MK.device.type, enabled=False):
             y = operand_mm(xq, wq, out_dtype)
         ctx.recipe, ctx.kernel = recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x_MK.dtype, w_NK.dtype
+        # a weight held in FP8 is saved as itself: its FP8 copy is read again in the backward, not kept twice
+        ctx.held = held_quantised(w_NK) is not None
         if recipe.requantise_saved_input:
-            ctx.save_for_backward(*_unpack(xq), *_unpack(wq))
+            ctx.save_for_backward(*_unpack(xq), *((w_NK,) if ctx.held else _unpack(wq)))
         else:
             ctx.save_for_backward(x_MK, w_NK)
         return y
@@ -66,9 +69,10 @@ class Fp8LinearFunction(torch.autograd.Function):
         kernel = ctx.kernel
         if r.requantise_saved_input:
             saved = ctx.saved_tensors
-            half = len(saved) // 2
-            xq = _pack(saved[:half], r.row_tile, r.fmt)
-            wq_dgrad = _pack(saved[half:], r.weight_fprop_tile, r.fmt)
+            n_x = 2 if kernel else 1
+            xq = _pack(saved[:n_x], r.row_tile, r.fmt)
+            wq_dgrad = (weight_operand(saved[n_x], r.weight_fprop_tile, r.fmt, kernel) if ctx.held
+                        else _pack(saved[n_x:], r.weight_fprop_tile, r.fmt))
         else:
             x_MK, w_NK = ctx.saved_tensors
             wq_dgrad = None
@@ -77,7 +81,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dyq = operand(dy_MN, r.row_tile, r.fmt, kernel)
                 if wq_dgrad is None:
-                    wq_dgrad = operand(w_NK, r.weight_dgrad_tile, r.fmt, kernel)
+                    wq_dgrad = weight_operand(w_NK, r.weight_dgrad_tile, r.fmt, kernel)
                 # dx = dy W: W^T (K, N) is the "(N', K')" operand of the GEMM with contraction over N.
                 dx = operand_mm(dyq, operand_t(wq_dgrad), ctx.x_dtype)
             if ctx.needs_input_grad[1]:

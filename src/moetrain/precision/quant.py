@@ -195,6 +195,73 @@ def quantise(x: torch.Tensor, tile: tuple[int, int], fmt: ScaleFormat = "fp32") 
     return Quantized(data, scale, tuple(tile), fmt)
 
 
+def _block_tiles(x: torch.Tensor, tile: tuple[int, int], full_shape: tuple[int, ...], offset: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, tuple[int, int], tuple[int, int]]:
+    """``x`` (..., m, n), the block of a tensor of ``full_shape`` that starts at ``offset`` (one per dim), as an
+    fp32 view of the *full* tensor's tiles that the block touches: (..., mt, tr, nt, tc), zero-padded in front and
+    behind so that it starts and ends on the full tensor's tile edges. Returns the view, the (row, column) index of
+    its first tile in the full grid, and the front padding."""
+    M, N = full_shape[-2:]
+    tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
+    m, n = x.shape[-2:]
+    r0, c0 = offset[-2:]
+    fr, fc = r0 % tr, c0 % tc
+    br, bc = (-(fr + m)) % tr, (-(fc + n)) % tc
+    xp = x.float()
+    if fr or fc or br or bc:
+        xp = F.pad(xp, (fc, bc, fr, br))
+    *lead, mp, np_ = xp.shape
+    return xp.reshape(*lead, mp // tr, tr, np_ // tc, tc), (r0 // tr, c0 // tc), (fr, fc)
+
+
+def tile_grid_shape(full_shape: tuple[int, ...], tile: tuple[int, int]) -> tuple[int, ...]:
+    """Shape (..., Mt, Nt) of the per-tile values of a tensor of ``full_shape`` (the edge-tile rule of the module
+    docstring: a dim no longer than its tile is one tile)."""
+    M, N = full_shape[-2:]
+    tr, tc = min(tile[0], max(M, 1)), min(tile[1], max(N, 1))
+    return (*full_shape[:-2], -(-M // tr), -(-N // tc))
+
+
+def block_tile_amax(x: torch.Tensor, tile: tuple[int, int], full_shape: tuple[int, ...],
+                    offset: tuple[int, ...]) -> torch.Tensor:
+    """The largest magnitude of each tile of the full tensor over the elements of the block ``x`` holds (zero for
+    tiles it does not touch): fp32 of :func:`tile_grid_shape`. A tile that straddles two blocks gets each block's
+    part; the maximum over the blocks is the tile's :func:`tile_amax` exactly (a maximum does not depend on the
+    order it is taken in). Leading dims are batch dims (tiles never span them).
+
+    Args:
+        x: (..., m, n) the block, any float dtype.
+        tile: the full tensor's tile.
+        full_shape: the full tensor's shape.
+        offset: the block's first index in every dim of the full tensor.
+    """
+    grid = torch.zeros(tile_grid_shape(full_shape, tile), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return grid
+    xt, (rt, ct), _ = _block_tiles(x, tile, full_shape, offset)
+    part = _tiled_amax(xt)[..., 0, :, 0]
+    lead = tuple(slice(o, o + s) for o, s in zip(offset[:-2], x.shape[:-2]))
+    grid[(*lead, slice(rt, rt + part.shape[-2]), slice(ct, ct + part.shape[-1]))] = part
+    return grid
+
+
+def quantise_block(x: torch.Tensor, tile: tuple[int, int], scale_grid: torch.Tensor, full_shape: tuple[int, ...],
+                   offset: tuple[int, ...]) -> torch.Tensor:
+    """E4M3 data of the block ``x`` (..., m, n) of a full tensor quantised with the full tensor's tile scales
+    ``scale_grid`` (:func:`tile_grid_shape`, from :func:`scales_from_amax` of the maxima over every block): bit for
+    bit the block's part of ``quantise(full, tile, fmt).data`` (the same ``cast_e4m3(x / s)`` per element).
+    Arguments as :func:`block_tile_amax`; returns float8_e4m3fn of x's shape, row-major."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    xt, (rt, ct), (fr, fc) = _block_tiles(x, tile, full_shape, offset)
+    lead = tuple(slice(o, o + s) for o, s in zip(offset[:-2], x.shape[:-2]))
+    s = scale_grid[(*lead, slice(rt, rt + xt.shape[-4]), slice(ct, ct + xt.shape[-2]))]
+    q = cast_e4m3(xt / s.unsqueeze(-1).unsqueeze(-3))
+    *lead_shape, mt, tr, nt, tc = q.shape
+    q = q.reshape(*lead_shape, mt * tr, nt * tc).narrow(-2, fr, x.shape[-2]).narrow(-1, fc, x.shape[-1])
+    return contiguous(q)
+
+
 def check_tile(x: torch.Tensor, tile: tuple[int, int], caller: str) -> None:
     """Raise ValueError unless ``x`` has >= 2 dims and both tile dims are >= 1."""
     if x.dim() < 2:

@@ -128,6 +128,8 @@ class StepMetricsLogger(Callback):
         self.step_t = 0.0
         self.loop_t = 0.0
         self.window_steps, self.window_bubble = 0, 0.0
+        # the parameters' bytes received inside steps (evaluation's all-gathers are not the step's)
+        self.window_param_bytes = self.param_bytes_at_step = 0
         self.imbalance = ImbalanceWindow()
 
     def pre_step(self, loop: LoopState) -> None:
@@ -139,11 +141,13 @@ class StepMetricsLogger(Callback):
             self.window_t += now - self.paused_at
         self.paused_at = None
         self.step_t = now
+        self.param_bytes_at_step = self.ctx.param_traffic.total()
 
     def post_step(self, loop: LoopState, result: StepResult) -> None:
         loop.train_s += time.perf_counter() - self.step_t
         self.window_steps += 1
         self.window_bubble += result.bubble_s
+        self.window_param_bytes += self.ctx.param_traffic.total() - self.param_bytes_at_step
         self.imbalance.add(result.imbalance)
         loop.sink.advance(f"loss {result.loss:.3f}")
         if loop.step % self.log_every == 0 or loop.last:
@@ -157,6 +161,7 @@ class StepMetricsLogger(Callback):
                 stats.reset_timers()
                 stats.bytes_sent = stats.remote_bytes_sent = 0
             self.window_t, self.window_steps, self.window_bubble = time.perf_counter(), 0, 0.0
+            self.window_param_bytes = 0
         self.paused_at = time.perf_counter()
 
     def _metrics(self, loop: LoopState, result: StepResult) -> StepMetrics:
@@ -176,6 +181,7 @@ class StepMetricsLogger(Callback):
             balance_loss=result.balance_loss, grad_norm=result.grad_norm, lr=loop.lr,
             tokens_per_s_per_gpu=tok_s_gpu, tflops_per_gpu=tflops, mfu=tflops / self.peak_tflops,
             step_time_s=dt / n, **a2a_fields(result.a2a, n, dt),
+            param_gather_bytes_per_step=self.window_param_bytes / n,
             pp_bubble_s_per_step=self.window_bubble / n, pp_bubble_share=self.window_bubble / dt if dt > 0 else 0.0,
             pp_bubble_formula=self.bubble_formula, load_imbalance_max=max(imb) if imb else 1.0, load_imbalance=imb,
             dropped_tokens=result.dropped_tokens, peak_mem_gb=mem_gb,

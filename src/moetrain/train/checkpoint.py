@@ -48,6 +48,7 @@ from moetrain.fsutil import fsync_path
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
+from moetrain.precision.primary_weights import note_written, unwrapped
 from moetrain.train.adamw import PrecisionAwareAdamW
 from moetrain.train.checksums import MANIFEST, ChecksumWriter, FileSum, check_files, manifest_of, read_manifest
 
@@ -128,7 +129,8 @@ def _flat_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[tuple[
     for part, opt in _pairs(model, optimizer):
         m = _Masters(part, opt)
         masters.append(m)
-        local = {f"model.{fqn}": m.by_fqn[fqn][1] if fqn in m.by_fqn else t for fqn, t in part.state_dict().items()}
+        local = {f"model.{fqn}": m.by_fqn[fqn][1] if fqn in m.by_fqn else unwrapped(t)
+                 for fqn, t in part.state_dict().items()}
         osd = get_optimizer_state_dict(part, opt, options=StateDictOptions(flatten_optimizer_state_dict=False))
         for fqn, st in osd["state"].items():
             for key, val in st.items():
@@ -348,6 +350,9 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
                                      options=StateDictOptions(flatten_optimizer_state_dict=False))
         for m in masters:
             m.write_back()
+        for part, _ in _pairs(model, optimizer):
+            for p in part.parameters():
+                note_written(p)  # DCP wrote the FP8 masters' storage directly
     state = read_trainer_state(path)
     torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
     return state

@@ -34,6 +34,7 @@ from moetrain.model.experts import GroupedExperts
 from moetrain.parallel.config import ParallelConfig
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import cast_parameters_, local_tensor, parallelize
+from moetrain.precision.apply import apply_precision
 from moetrain.train.adamw import state_bytes_per_param
 from moetrain.train.optim import STATE_DTYPES, held_param_dtype
 from moetrain.train.fit import (DEFAULT_GPU, format_pipeline_ranks, pipeline_rank_rows, target_device, target_gpu,
@@ -276,6 +277,7 @@ def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None 
     ctx = fake_parallel(job.parallel, world, job.model.n_routed_experts)
     try:
         model = cast_parameters_(build_model(job.model, device="meta"), held_param_dtype(job.parallel.optimizer))
+        apply_precision(model, job.parallel.precision)  # as the run does: fp8_param then holds their weights
         total = sum(math.prod(p.shape) for p in model.parameters())
         held = pipeline_rank_state(model, ctx)
         layout = run_layout(job, ctx.pcfg, device_type)

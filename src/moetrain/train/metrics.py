@@ -117,6 +117,8 @@ TRAIN_METRICS: tuple[Metric, ...] = (
     Metric("dispatch_bytes_per_step", "dispatch bytes", "bytes of the dispatched token rows per step, summed over "
            "the MoE layers (of every stage under PP)"),
     Metric("dispatch_remote_bytes_per_step", "remote bytes", "dispatch_bytes_per_step sent to other ranks"),
+    Metric("param_gather_bytes_per_step", "param gather bytes", "bytes this rank received per step for the "
+           "parameters: FSDP2's all-gathers, and with fp8_param the FP8 weights' scale exchange"),
     Metric("pp_bubble_s_per_step", "bubble s", "measured pipeline bubble seconds per step"),
     Metric("pp_bubble_share", "bubble", "pp_bubble_s_per_step / step_time_s"),
     Metric("pp_bubble_formula", "formula", "the schedule's textbook bubble fraction"),
@@ -231,6 +233,7 @@ class StepMetrics:
     a2a_s_per_layer_phase: list[dict[str, list[float]]]
     dispatch_bytes_per_step: float
     dispatch_remote_bytes_per_step: float
+    param_gather_bytes_per_step: float
     pp_bubble_s_per_step: float
     pp_bubble_share: float
     pp_bubble_formula: float

@@ -27,6 +27,7 @@ from moetrain.parallel.mesh import ParallelContext, check_same_config, init_para
 from moetrain.parallel.parallelize import cast_parameters_, local_numel, materialize, parallelize
 from moetrain.parallel.schedules import bubble_formula
 from moetrain.precision.cpu_bf16 import cpu_bf16_gemms
+from moetrain.precision.apply import apply_precision
 from moetrain.precision.recipe import PLAN_PRECISION_TO_FP8
 from moetrain.train.callbacks import (Callback, Checkpointing, Evaluation, FiniteLoss, LoopState, Profiler,
                                       StepMetricsLogger, StopOnSignal)
@@ -118,15 +119,6 @@ def run(job: JobConfig, prep: PreparedData, dry_run: bool = False, report_stop: 
         stop.uninstall()
 
 
-def _apply_precision(model: Transformer, job: JobConfig) -> None:
-    """FP8 GEMMs (``parallel.precision`` fp8 / mxfp8) swapped in on the single-device (meta) model, before it is
-    parallelized."""
-    recipe = PLAN_PRECISION_TO_FP8.get(job.parallel.precision, "none")  # "auto": no FP8
-    if recipe != "none":
-        from moetrain.precision.apply import apply_fp8
-        apply_fp8(model, recipe)
-
-
 def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | None,
                         init_from: str | None = None) -> Transformer:
     """The whole single-device reference :class:`~moetrain.model.transformer.Transformer` of ``job`` on ``ctx``'s
@@ -135,7 +127,7 @@ def build_sharded_model(job: JobConfig, ctx: ParallelContext, amp: torch.dtype |
     single process's), and, with ``init_from`` (a HF checkpoint directory), overwritten from it, each rank reading
     only its own boxes."""
     model = build_model(job.model, device="meta")
-    _apply_precision(model, job)
+    apply_precision(model, job.parallel.precision)
     parallelize(model, ctx, param_dtype=amp if ctx.device.type == "cuda" else None)
     materialize(model, ctx, seed=job.train.seed)
     if init_from:
@@ -160,7 +152,7 @@ def build_model_parts(job: JobConfig, ctx: ParallelContext, amp: torch.dtype | N
 
     pcfg = ctx.pcfg
     model = build_model(job.model, device="meta")
-    _apply_precision(model, job)
+    apply_precision(model, job.parallel.precision)
     held = held_param_dtype(pcfg.optimizer)
     if held != torch.float32:
         if not ctx.distributed:
@@ -235,7 +227,8 @@ def _recipe_fields(job: JobConfig, ctx: ParallelContext) -> list[LogField]:
         LogField("layout", f"DP={pcfg.dp} EP={pcfg.ep} PP={pcfg.pp}" + (f" VPP={pcfg.stages_per_rank}"
                                                                         if pcfg.stages_per_rank > 1 else "")),
         LogField("dispatcher", f"{dispatcher} ({pcfg.dispatch_precision} rows)"),
-        LogField("precision", f"{pcfg.run_precision(ctx.device.type)} (FP8 {'off' if fp8 == 'none' else fp8})"),
+        LogField("precision", f"{pcfg.run_precision(ctx.device.type)} (FP8 {'off' if fp8 == 'none' else fp8}"
+                 f"{', FP8 primary weights' if pcfg.fp8_param else ''})"),
         LogField("overlap", f"shared experts {on[pcfg.overlap]}, EP overlap {on[pcfg.ep_overlap]}, "
                             f"chunks {pcfg.n_chunks}"),
         LogField("schedule", f"{pcfg.schedule} ({pcfg.n_stages} stages)" if pcfg.pp > 1 else "none (PP=1)"),
