@@ -209,8 +209,11 @@ def test_the_formerly_dropped_fields_are_run_or_refused():
     one = dict(TINY_PLAN, pp=1, dp=4)
     assert _job(Plan(**one, fsdp=True)).sections["parallel"]["fsdp"] is True
     assert _job(Plan(**TINY_PLAN, fsdp=False)).sections["parallel"]["fsdp"] is False
-    with pytest.raises(ConfigError, match=r"fsdp=true with pp > 1"):
-        _job(Plan(**TINY_PLAN, fsdp=True))
+    assert _job(Plan(**TINY_PLAN, fsdp=True, schedule="interleaved", vpp=2)).sections["parallel"]["fsdp"] is True
+    with pytest.raises(ConfigError, match=r"fsdp=true with schedule='zbv'"):
+        _job(Plan(**TINY_PLAN, fsdp=True, schedule="zbv"))
+    with pytest.raises(ConfigError, match=r"fsdp=true with ep_overlap"):
+        _job(Plan(**one, fsdp=True, ep_overlap=True))
     # dp_overlap, cuda_graphs, fused_mlp: refused by name; the runnable values pass
     assert _job(Plan(**TINY_PLAN, dp_overlap=True, cuda_graphs="none", fused_mlp=False)).world == 4
     with pytest.raises(ConfigError) as e:

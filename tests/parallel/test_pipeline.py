@@ -52,6 +52,15 @@ def test_pipelined_training_matches_single_process(reference, pp, vpp, dp, ep, s
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("vpp,schedule", [(2, "interleaved"), pytest.param(1, "1f1b", marks=pytest.mark.slow)])
+def test_resharding_after_every_forward_under_pp_matches_single_process(reference, vpp, schedule):
+    """parallel.fsdp = true under PP (TorchTitan's and NeMo AutoModel's recipes): each stage's parameters resharded
+    after every micro-batch's forward over DP 2, trained like one process."""
+    kw = {"pp": 2, "vpp": vpp, "dp": 2, "schedule": schedule, "fsdp": True}
+    _check_against(reference, ok_values(run_ranks(4, pipeline_train_run, kw, 3)), kw)
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("pp,vpp,schedule", [(2, 1, "1f1b"), (2, 2, "interleaved")])
 def test_a_validation_before_the_first_step_leaves_training_unchanged(reference, pp, vpp, schedule):
     """The trainer validates at step 0, before any training step. On torch 2.11 a forward-only first call left the

@@ -82,3 +82,4 @@ def fsdp_linears_run() -> dict[bool, dict[str, Any]]:
         out[held] = {"y": y.detach(), "y_ref": y_ref, "dx": x.grad, "dx_ref": dx_ref, "dw": dw, "dw_ref": dw_ref,
                      "gathered": traffic.gathered_bytes, "scale_bytes": traffic.scale_bytes, "held": seen}
     return out
+

@@ -7,6 +7,9 @@ what one process computes."""
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,3 +141,45 @@ def test_the_trainer_with_fp8_primary_weights_follows_fp8_without(precision):
     assert runs[True][0] == runs[False][0]
     for a, b in zip(runs[False][1:], runs[True][1:]):
         assert b == pytest.approx(a, rel=2e-3)
+
+
+def test_an_fp8_param_run_is_evaluated_at_another_layout_in_fp32_and_planned_only_with_fp8():
+    """``moetrain eval --nproc N`` computes in fp32, so it drops the run's FP8 primary weights with its FP8 GEMMs
+    (a run of them was refused); the planner refuses fp8_param with a precision that has no FP8 GEMMs."""
+    from moetrain.config import JobConfig
+    from moetrain.plan import Plan, PlanError, predict
+    from moetrain.train.evaluate import _layout_job
+
+    job = JobConfig(parallel=ParallelConfig(precision="fp8", fp8_param=True, ep=2))
+    evaluated = _layout_job(job, nproc=2, ep=2, pp=None, device="cpu", mbs=2)
+    assert evaluated.parallel.precision == "fp32" and evaluated.parallel.fp8_param is False
+    for precision in ("bf16", "fp32"):
+        with pytest.raises(PlanError, match="fp8_param .* needs precision 'fp8' or 'mxfp8'"):
+            predict("small", "h100", 64, Plan(ep=8, precision=precision, fp8_param=True))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_the_trainer_logs_the_bytes_gathered_per_step_whatever_the_evaluation(tmp_path):
+    """``param_gather_bytes_per_step`` from FSDP2's all-gathers (2 ranks, EP 2, evaluation after every step, which
+    reshards what it gathered): the same every step up to the FP8 scale exchange (which follows an optimizer step
+    and so lands in the evaluation after it), and with fp8_param the FP8-held weights move a quarter of their fp32
+    bytes (CPU parameters are fp32)."""
+    per_step = {}
+    for held in (False, True):
+        out = tmp_path / str(held)
+        cmd = [sys.executable, "-m", "moetrain", "train", "--preset", "tiny", "--out", str(out), "--nproc", "2",
+               "--ep", "2", "--steps", "3", "--set", "parallel.precision=fp8", "--set",
+               f"parallel.fp8_param={str(held).lower()}", "--set", "train.eval_every=1", "--set",
+               "train.eval_batches=1", "--set", "train.log_every=1", "--set", "train.ckpt_every=0", "--set",
+               "train.tensorboard=false", "--set", "train.threads_per_proc=1", "--set",
+               f'data.cache_dir="{tmp_path / "cache"}"', "--set", "data.builtin_max_bytes=200000"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        per_step[held] = [r["param_gather_bytes_per_step"] for r in rows if r.get("kind") == "train"]
+    for b in per_step.values():
+        assert len(b) == 3 and max(b) - min(b) < 1000, b
+    # the held weights' share of the fp32 bytes: (off - on) = 3/4 of their fp32 bytes, so on < off and the
+    # embedding, head, norms and router (fp32 either way) are the rest
+    assert 0.4 * per_step[False][0] < per_step[True][0] < 0.6 * per_step[False][0]

@@ -34,9 +34,10 @@ def test_deepseek_v3_at_ep1_on_8_gpus_does_not_fit(tmp_path, capsys):
     assert v == {**v, "gpu": "b200", "gpu_assumed": False, "memory_gib": 180, "fits": False, "heaviest_pp_rank": 0,
                  "precision": "bf16"}
     assert v["need_gib"] >= rank["state_gib"] > 180
-    assert v["need_gib"] == pytest.approx(rank["planned"]["total"] + max(
-        0.0, rank["state_gib"] - rank["planned"]["weights"] - rank["planned"]["gradients"]
-        - rank["planned"]["optimizer"]))
+    planned = rank["planned"]
+    assert v["need_gib"] == pytest.approx(planned["total"] + max(0.0, rank["step_gib"] - planned["weights"]
+                                                                 - planned["fp8_weights"] - planned["gradients"]
+                                                                 - planned["optimizer"]))
     assert "verdict: DOES NOT FIT on B200 (180 GiB)" in out and f"needs {v['need_gib']:.1f} GiB" in out
 
 
@@ -52,6 +53,15 @@ def test_every_pipeline_rank_beside_the_planner_heaviest_marked(tmp_path, capsys
     # rank 0 (embedding and the three dense layers, FSDP-sharded over its 16 ranks) holds less state than a rank of
     # four MoE layers (experts split over EP 16, not FSDP-sharded: EDP = 1)
     assert rows[0]["state_gib"] < rows[1]["state_gib"] == rows[7]["state_gib"]
+    # at the step's peak (the stage's weights gathered in bf16, its gradients accumulated unsharded in fp32) every
+    # pipeline rank holds what the planner counts for it, but the last, whose stage holds the embedding's copy for
+    # MTP, which the planner leaves out -- and the report says so
+    for r in rows[:-1]:
+        m = r["planned"]
+        assert r["step_gib"] == pytest.approx(m["weights"] + m["fp8_weights"] + m["gradients"] + m["optimizer"],
+                                              rel=0.05), r["pp_rank"]
+    assert rows[-1]["unsharded_params"] - rows[-1]["planned_params"] == 129_280 * 7168
+    assert "pipeline rank 15: the run holds" in out and "the last stage's copy of the embedding for MTP" in out
     v = rep["verdict"]
     worst = max(rows, key=lambda r: r["need_gib"])
     assert v["fits"] is True and v["heaviest_pp_rank"] == worst["pp_rank"] and v["need_gib"] == worst["need_gib"]

@@ -64,11 +64,15 @@ def layout_not_runnable(layout: Layout) -> list[tuple[str, str]]:
         out.append(("data-parallel communication without overlap under pipelining",
                     "dp_overlap=false with pp > 1; torch's pipeline schedules reduce each stage's gradients in its "
                     "last backward (the trainer runs dp_overlap=false at pp 1)"))
-    if layout.fsdp and (layout.pp > 1 or layout.ep_overlap):
+    if layout.fsdp and layout.ep_overlap:
         out.append(("resharding after every forward and backward",
-                    f"fsdp=true with {'pp > 1' if layout.pp > 1 else 'ep_overlap'}: the pipeline schedules and EP "
-                    f"overlap run many forwards and backwards of a stage interleaved, so the trainer keeps the "
-                    f"parameters gathered through the step; use fsdp false"))
+                    "fsdp=true with ep_overlap: EP overlap runs one micro-batch's backward in pieces between another's "
+                    "forward, so the trainer keeps the parameters gathered through the step; use fsdp false"))
+    elif layout.fsdp and layout.pp > 1 and layout.schedule in SPLIT_BACKWARD:
+        out.append(("resharding after every forward and backward",
+                    f"fsdp=true with schedule={layout.schedule!r}: it computes the weight gradients in a pass of their "
+                    f"own after the input gradients, which torch's pipeline stage does not keep gathered for a "
+                    f"resharded stage (the losses move); use fsdp false, or the 1f1b or interleaved schedule"))
     if isinstance(layout, ParallelConfig) and layout.redundant_experts:
         why = [(f"capacity_factor={layout.capacity_factor}", layout.capacity_factor is not None,
                 "dropping counts a capacity per expert, and copies would each get one"),
@@ -154,7 +158,9 @@ class ParallelConfig(Layout):
             combined 1F1B; ``moetrain.parallel.overlap``). Needs two or more micro-batches to pair; under pipelining
             the schedule's forward-backward pairs (1f1b, interleaved, dualpipev's OVERLAP_F_B; not zbv); not
             with recompute full, n_chunks > 1 or overlap = false.
-        fsdp: true = parameters resharded after each forward and backward and all-gathered again (ZeRO-3); false =
+        fsdp: true = parameters resharded after each forward and backward and all-gathered again (ZeRO-3; under
+            pp > 1 after each micro-batch's forward, torch's pipeline stage keeping them gathered from a stage's
+            first backward to its last: the 1f1b and interleaved schedules, as TorchTitan runs them); false =
             gathered once per step and kept through it (Megatron's distributed-optimizer memory); unset = true at
             pp == 1 without ep_overlap, else false (pipelining and EP overlap keep them gathered).
         dp_overlap: true = FSDP2 reduce-scatters each module's gradients behind the rest of the backward; false =

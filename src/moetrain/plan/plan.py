@@ -486,7 +486,7 @@ def validate(plan: Plan, shape: ModelShape, gpu: GPUSpec, n_gpus: int) -> Plan:
                         "parallelism splits the sequence over TP, context parallelism over CP)")
     if plan.cp > 1 and plan.seq_len % (2 * plan.cp):
         raise PlanError(f"seq_len={plan.seq_len} must be a multiple of 2*CP = {2 * plan.cp} (load-balanced CP)")
-    if plan.fp8_param and plan.precision == "bf16":
+    if plan.fp8_param and plan.precision not in ("fp8", "mxfp8"):
         raise PlanError("fp8_param (FP8 primary weights) needs precision 'fp8' or 'mxfp8'")
     if plan.imbalance is not None and not plan.imbalance >= 1.0:
         raise PlanError(f"imbalance={plan.imbalance} must be >= 1 (max/mean tokens per EP rank)")

@@ -196,7 +196,8 @@ class Fp8MasterWeight(torch.Tensor):
         per = -(-full[dim] // world) if dim == 0 else full[dim] // world
         offset = tuple(min(rank * per, full[d]) if d == dim else 0 for d in range(len(full)))
         dtype = mp_policy.param_dtype if mp_policy is not None else None
-        data, scale = self._quantised(dtype, full, offset, mesh.get_group())
+        # a group of one has nothing to exchange (FSDP2 moves nothing for it either)
+        data, scale = self._quantised(dtype, full, offset, mesh.get_group() if world > 1 else None)
         data = data.view(torch.uint8)
         if dim == 0 and data.shape[0] < per:  # FSDP2 gathers equal shards: pad the last ones' rows
             data = torch.cat([data, data.new_zeros(per - data.shape[0], *data.shape[1:])])

@@ -45,10 +45,15 @@ GiB = 2 ** 30
 
 @dataclass
 class RankMemory:
-    """What one rank holds for training, bytes: the parameters as held (fp32 masters, or bf16 weights under the
-    ``bf16`` optimizer states), gradients of the same dtype, and the optimizer's states (AdamW's two moments in the
-    states' precision, plus the bf16 weights' 16-bit master remainders); ``peak_measured`` is the high-water mark so
-    far (RSS on CPU, CUDA max allocated on GPU), None on meta.
+    """What one rank holds for training, bytes. Sharded between steps (FSDP2's shards): the parameters as held (fp32
+    masters, or bf16 weights under the ``bf16`` optimizer states), gradients of the same dtype, and the optimizer's
+    states (AdamW's two moments in the states' precision, plus the bf16 weights' 16-bit master remainders). At the
+    step's peak also: ``gathered_bytes``, the weights all-gathered for the GEMMs (FSDP's ``param_dtype``, or one
+    byte for FP8 primary weights), and ``accum_grad_bytes``, the unsharded gradients accumulated over the
+    micro-batches before the reduce-scatter (FSDP2 accumulates in its reduce dtype, fp32); see
+    :func:`rank_memory` for when each is whole. ``unsharded_params``: the parameters before FSDP sharding (the
+    routed experts' EP share). ``peak_measured`` is the high-water mark so far (RSS on CPU, CUDA max allocated on
+    GPU), None on meta.
     """
 
     rank: int
@@ -57,10 +62,22 @@ class RankMemory:
     grad_bytes: int
     optim_bytes: int
     peak_measured: int | None
+    gathered_bytes: int = 0
+    accum_grad_bytes: int = 0
+    unsharded_params: int = 0
 
     @property
     def state_bytes(self) -> int:
+        """The sharded state, held between steps."""
         return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """The state at the step's peak: the sharded parameters and optimizer states, the gathered weights, and the
+        gradients (the unsharded accumulators where they exist: the sharded gradients are made from them as they
+        are freed, block by block)."""
+        return (self.param_bytes + self.optim_bytes + self.gathered_bytes
+                + max(self.grad_bytes, self.accum_grad_bytes))
 
 
 def measured_peak(device: torch.device) -> int:
@@ -74,15 +91,71 @@ def measured_peak(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rank_memory(model: torch.nn.Module, ctx: ParallelContext, measured: bool = True) -> RankMemory:
+def rank_memory(model: torch.nn.Module, ctx: ParallelContext, measured: bool = True,
+                gather_dtype: torch.dtype | None = None, micro_batches: int = 1) -> RankMemory:
     """Count this rank's shards of every parameter (a DTensor's local part, else the whole tensor), with the
-    optimizer states of ``ctx.pcfg.optimizer`` (:data:`moetrain.train.optim.STATE_DTYPES`)."""
+    optimizer states of ``ctx.pcfg.optimizer`` (:data:`moetrain.train.optim.STATE_DTYPES`), and what the step
+    gathers at its peak.
+
+    Gathered weights (each parameter unsharded over FSDP: the routed experts' EP share, everything else whole, in
+    ``gather_dtype`` -- FSDP's ``param_dtype``, None for the parameter's own -- or one byte for FP8 primary
+    weights): all of them where the parameters stay gathered through the step (``keeps_params_gathered``, and
+    under PP, whose stages keep them from the first backward to the last); else (ZeRO-3 at PP 1) the root's own
+    (embedding, head, final norm: never resharded) and the two largest blocks' (the one computing and the one
+    prefetched). Gradient accumulators (fp32, FSDP2's reduce dtype): every parameter's where the step runs several
+    backward passes before reducing (more than one micro-batch, PP, EP overlap, ``dp_overlap`` false), else none.
+
+    Args:
+        model: a stage, a whole model, or a ``ModuleList`` of this rank's stages, parallelized.
+        ctx: the parallel context (its ``pcfg`` says the layout).
+        measured: read this process's memory high-water mark.
+        gather_dtype: FSDP's ``param_dtype`` (bf16 on a GPU), None where it keeps the parameters' own.
+        micro_batches: micro-batches per step (``train.grad_accum``).
+    """
+    from moetrain.precision.primary_weights import Fp8MasterWeight
+
+    pcfg = ctx.pcfg
     locals_ = [local_tensor(p) for p in model.parameters()]
     n = sum(t.numel() for t in locals_)
     pb = sum(t.numel() * t.element_size() for t in locals_)
-    moment_dtype = STATE_DTYPES[ctx.pcfg.optimizer][1]
+    moment_dtype = STATE_DTYPES[pcfg.optimizer][1]
     ob = sum(t.numel() * state_bytes_per_param(t.dtype, moment_dtype) for t in locals_)
-    return RankMemory(ctx.rank, n, pb, pb, ob, measured_peak(ctx.device) if measured else None)
+
+    def unsharded(p: torch.nn.Parameter, expert: bool) -> tuple[int, int]:
+        """(elements, gathered bytes) of ``p`` unsharded over FSDP."""
+        numel = math.prod(p.shape) // (pcfg.ep if expert else 1)
+        held_fp8 = isinstance(local_tensor(p), Fp8MasterWeight)
+        size = 1 if held_fp8 else (torch.finfo(gather_dtype).bits // 8 if gather_dtype else p.element_size())
+        return numel, numel * size
+
+    parts = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
+    all_gathered = pcfg.keeps_params_gathered or pcfg.pp > 1
+    total_numel = gathered = 0
+    for part in parts:
+        in_blocks: set[int] = set()
+        block_bytes = []
+        for block in part.blocks():
+            b = 0
+            for mod in block.modules():
+                for p in mod.parameters(recurse=False):
+                    in_blocks.add(id(p))
+                    numel, size = unsharded(p, isinstance(mod, GroupedExperts))
+                    total_numel += numel
+                    b += size
+            block_bytes.append(b)
+        root = 0
+        for mod in part.modules():
+            for p in mod.parameters(recurse=False):
+                if id(p) not in in_blocks:
+                    numel, size = unsharded(p, False)
+                    total_numel += numel
+                    root += size
+        gathered += root + (sum(block_bytes) if all_gathered else sum(sorted(block_bytes)[-2:]))
+    accumulates = micro_batches > 1 or pcfg.pp > 1 or pcfg.ep_overlap or not pcfg.dp_overlap
+    return RankMemory(ctx.rank, n, pb, pb, ob, measured_peak(ctx.device) if measured else None,
+                      gathered_bytes=gathered if ctx.distributed else 0,
+                      accum_grad_bytes=4 * total_numel if accumulates and ctx.distributed else 0,
+                      unsharded_params=total_numel)
 
 
 def run_layout(job: JobConfig, pcfg: ParallelConfig, device_type: str) -> Layout:
@@ -145,23 +218,25 @@ def rank_params(module: torch.nn.Module, ep: int) -> int:
     return n
 
 
-def pipeline_rank_state(model: torch.nn.Module, ctx: ParallelContext) -> list[Any]:
+def pipeline_rank_state(model: torch.nn.Module, ctx: ParallelContext, gather_dtype: torch.dtype | None = None,
+                        micro_batches: int = 1) -> list[Any]:
     """What one rank of every pipeline rank holds (:class:`RankMemory`, ``rank`` the global
     rank of its first data-parallel member): each pipeline rank's stages are cut from the meta ``model`` and
     FSDP-sharded with rank 0's mesh, whose data-parallel group has the same size as theirs, so the shard sizes are
-    those the ranks ``(pp, 0, 0)`` hold (the largest of their groups). Nothing is allocated."""
+    those the ranks ``(pp, 0, 0)`` hold (the largest of their groups). Nothing is allocated. ``gather_dtype`` and
+    ``micro_batches``: as :func:`rank_memory` takes them."""
     from moetrain.parallel.pipeline import build_stages
 
     pcfg = ctx.pcfg
     if pcfg.pp == 1:
         parallelize(model, ctx)
-        return [rank_memory(model, ctx, measured=False)]
+        return [rank_memory(model, ctx, False, gather_dtype, micro_batches)]
     out = []
     for r in range(pcfg.pp):
         parts = build_stages(model, pcfg, r)
         for part in parts:
             parallelize(part, ctx)
-        row = rank_memory(torch.nn.ModuleList(parts), ctx, measured=False)
+        row = rank_memory(torch.nn.ModuleList(parts), ctx, False, gather_dtype, micro_batches)
         row.rank = r * pcfg.dp
         out.append(row)
     return out
@@ -214,18 +289,23 @@ def format_report(rows: list[RankMemory], pred: dict[str, Any] | None, title: st
     """The per-rank table of held state beside the planner's row (``heaviest``: words after its pipeline rank)."""
     lines = [title,
              f"{'rank':>5} {'params held':>14} {'params GiB':>11} {'grads GiB':>10} {'optim GiB':>10} "
-             f"{'state GiB':>10} {'peak GiB':>9}"]
+             f"{'state GiB':>10} {'gathered':>9} {'grad acc':>9} {'step GiB':>9} {'peak GiB':>9}"]
     for r in rows:
         peak = f"{r.peak_measured / GiB:9.3f}" if r.peak_measured is not None else f"{'(meta)':>9}"
         lines.append(f"{r.rank:>5} {r.params:>14,} {r.param_bytes / GiB:11.3f} {r.grad_bytes / GiB:10.3f} "
-                     f"{r.optim_bytes / GiB:10.3f} {r.state_bytes / GiB:10.3f} {peak}")
+                     f"{r.optim_bytes / GiB:10.3f} {r.state_bytes / GiB:10.3f} {r.gathered_bytes / GiB:9.3f} "
+                     f"{r.accum_grad_bytes / GiB:9.3f} {r.step_bytes / GiB:9.3f} {peak}")
     if pred and "error" not in pred:
         state = pred["params"] + pred["grads"] + pred["optimizer"]
         lines.append(f"{'model':>5} {'':>14} {pred['params']:11.3f} {pred['grads']:10.3f} {pred['optimizer']:10.3f} "
-                     f"{state:10.3f} {'':>9}   <- performance model (moetrain plan), one rank of pipeline rank "
-                     f"{pred['pp_rank']}{heaviest}; +{pred['activations']:.3f} GiB activations in a step")
+                     f"{'':>10} {'':>9} {'':>9} {state:9.3f} {'':>9}   <- performance model (moetrain plan), one "
+                     f"rank of pipeline rank {pred['pp_rank']}{heaviest}; +{pred['activations']:.3f} GiB "
+                     f"activations in a step")
     elif pred:
         lines.append(f"performance model: no prediction ({pred['error']})")
+    lines.append("(state: the FSDP shards held between steps; step: at the step's peak, with the weights gathered "
+                 "for the GEMMs and the gradients accumulated unsharded over the micro-batches -- what the planner's "
+                 "weights, gradients and optimizer count)")
     return "\n".join(lines)
 
 
@@ -238,7 +318,8 @@ def layout_label(pcfg: Any) -> str:
 def report_dry_run(job: JobConfig, ctx: ParallelContext, model: torch.nn.Module) -> dict[str, Any]:
     """Gather every rank's :class:`RankMemory` on rank 0, print the table there, and write it to
     ``<out_dir>/dry_run.json``. Returns the summary (rank 0's view)."""
-    mine = rank_memory(model, ctx)
+    amp = torch.bfloat16 if ctx.device.type == "cuda" and job.parallel.autocast_bf16("cuda") else None
+    mine = rank_memory(model, ctx, gather_dtype=amp, micro_batches=job.train.grad_accum)
     rows: list[Any] = [mine]
     if ctx.distributed:
         rows = [None] * ctx.world_size
@@ -279,7 +360,8 @@ def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None 
         model = cast_parameters_(build_model(job.model, device="meta"), held_param_dtype(job.parallel.optimizer))
         apply_precision(model, job.parallel.precision)  # as the run does: fp8_param then holds their weights
         total = sum(math.prod(p.shape) for p in model.parameters())
-        held = pipeline_rank_state(model, ctx)
+        gather = torch.bfloat16 if device_type == "cuda" and job.parallel.autocast_bf16("cuda") else None
+        held = pipeline_rank_state(model, ctx, gather, job.train.grad_accum)
         layout = run_layout(job, ctx.pcfg, device_type)
         prediction = predict_run(job, world, layout, plan, target.name if target else None)
         pred = predicted_memory(job, world, "", prediction, pp_rank=0)
@@ -290,7 +372,8 @@ def dry_run_world(job: JobConfig, world: int, plan: Any = None, gpu: str | None 
         stages = stage_rows(job, ctx.pcfg, prediction)
         print(format_stages(stages))
         ranks = pipeline_rank_rows(held, prediction, [local_stages(ctx.pcfg, r) if ctx.pcfg.pp > 1 else [0]
-                                                      for r in range(ctx.pcfg.pp)])
+                                                      for r in range(ctx.pcfg.pp)],
+                                   job.model.vocab_size * job.model.dim)
         fit = verdict(ranks, target, layout.precision)
         print(format_pipeline_ranks(ranks, fit))
         summary = {"dry_run": True, "world": world, "ranks": [asdict(held[0])], "predicted_gib": pred,

@@ -287,7 +287,7 @@ def _layout_job(job: JobConfig, nproc: int, ep: int | None, pp: int | None, devi
     """The run's job at the layout of an evaluation: ``nproc`` local processes, ``ep`` / ``pp`` (default 1); the
     pipeline split is recomputed for the new ``pp``, which runs the plain 1F1B schedule over at least ``pp``
     micro-batches (an evaluation is forward-only: the schedule does not change its numbers). It computes in fp32 like
-    the one-process path: FP8 GEMMs and FP8 dispatch of a run trained with them are not used.
+    the one-process path: FP8 GEMMs, FP8 primary weights and FP8 dispatch of a run trained with them are not used.
 
     Raises:
         ConfigError: sizes that do not fit the processes or the model, a pipeline that does not fit."""
@@ -296,7 +296,7 @@ def _layout_job(job: JobConfig, nproc: int, ep: int | None, pp: int | None, devi
 
     d = job.to_dict()
     d["parallel"].update(ep=ep or 1, pp=pp or 1, dp=None, vpp=1, pp_layout=None, ep_overlap=False,
-                         precision=Precision.FP32, dispatch_precision=Precision.BF16)
+                         precision=Precision.FP32, dispatch_precision=Precision.BF16, fp8_param=False)
     d["train"].update(nproc=nproc, device=device, micro_batch_size=mbs, resume=False, init_from=None)
     if (pp or 1) > 1:
         d["parallel"]["schedule"] = Schedule.ONE_F_ONE_B

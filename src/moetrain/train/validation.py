@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from moetrain.config import JobConfig
 from moetrain.data import iter_eval_batches
@@ -82,7 +83,9 @@ def _sums(model: ModelParts, path: object, n_batches: int, job: JobConfig, ctx: 
 
 
 def _scored(model: ModelParts, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``fn()`` with the model in eval mode and its dispatch statistics paused."""
+    """``fn()`` with the model in eval mode and its dispatch statistics paused; FSDP2's parameters resharded after
+    it (a forward-only pass leaves those it keeps after a forward gathered -- the root's, and under pipelining every
+    stage's -- which would hold their memory into the next step and spare that step its all-gathers)."""
     model.train(False)
     dispatch_stats = [m.dispatcher.stats for _, m in model.moe_layers()]
     for st in dispatch_stats:  # validation's all-to-alls are not the training step's
@@ -93,6 +96,10 @@ def _scored(model: ModelParts, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         model.train(True)
         for st in dispatch_stats:
             st.recording = True
+        for part in model.parts:
+            for m in part.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
 
 def evaluate(model: ModelParts, prep: PreparedData, job: JobConfig, ctx: ParallelContext,
