@@ -322,3 +322,36 @@ def test_train_plan_dry_run_records_the_layout_it_runs_and_each_stage(tmp_path, 
     assert main(["train", "--plan", str(f), "--dry-run", "--world", "8", "--out", str(tmp_path / "r2")]) == 2
     err = capsys.readouterr().err
     assert "tp=2" in err and "cuda_graphs='full'" in err and not (tmp_path / "r2" / "dry_run.json").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "deepseek-v3-671b", "--gpu", "h100", "--gpus", "256"],
+    ["--model", "deepseek-v3-671b", "--gpu", "gb200", "--gpus", "256"],
+    ["--model", "deepseek-v3-671b", "--gpu", "h800", "--gpus", "2048", "--gbs", "15360"],
+    ["--model", "qwen3-235b-a22b", "--gpu", "h100", "--gpus", "256"],
+], ids=["dsv3-h100", "dsv3-gb200", "dsv3-h800", "qwen3-235b-h100"])
+def test_the_planners_default_recommendation_runs(argv, tmp_path, capsys):
+    """``moetrain plan`` without a framework costs Megatron-Core's plans; what it recommends for a record's model,
+    GPU and size is one ``moetrain train --plan`` runs: EP overlap never beside full recompute (Megatron asserts
+    the same), the MTP modules with the head, a global batch split over the DP of the PP it picked."""
+    from moetrain.plan.cli import main as plan_main
+    from moetrain.train.from_plan import read_plan
+
+    assert plan_main([*argv, "--json"]) == 0
+    f = tmp_path / "plan.json"
+    f.write_text(capsys.readouterr().out)
+    pf = read_plan(f)
+    assert pf.plan.framework == "megatron" and not (pf.plan.ep_overlap and pf.plan.recompute == "full")
+    job = plan_job(pf)
+    assert job.world == int(argv[argv.index("--gpus") + 1])
+
+
+def test_megatron_is_not_costed_with_ep_overlap_beside_full_recompute(capsys):
+    from moetrain.plan.cli import main as plan_main
+
+    argv = ["--model", "deepseek-v3-671b", "--gpu", "h100", "--gpus", "256", "--ep", "8", "--pp", "16", "--vpp",
+            "2", "--schedule", "interleaved", "--recompute", "full", "--ep-overlap", "--framework", "megatron"]
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--framework megatron does not run this plan: EP overlap with recompute='full'" in err
+    assert "drop --framework" not in err

@@ -225,9 +225,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
             bad = framework_conflicts(plan, plan.framework)
             if bad:
+                other = rec.plan.framework if rec else "megatron"
                 raise ValueError(f"--framework {plan.framework} does not run this plan: {'; '.join(bad)}; change "
-                                 f"those settings, or drop --framework to cost the plan as "
-                                 f"{rec.plan.framework if rec else 'megatron'} runs it")
+                                 f"those settings" + (f", or drop --framework to cost the plan as {other} runs it"
+                                                      if other != plan.framework else ""))
         chosen = _choose_ep(args, shape, gpu, n, plan) if args.ep is None and rec is None and \
             gpu.host_procs is None else None
         if chosen is not None and chosen[0] is not None:
@@ -287,7 +288,12 @@ def _choose_ep(args: argparse.Namespace, shape: Any, gpu: Any, n: int, plan: Pla
     from moetrain.plan.plan import validate
     from moetrain.plan.search import best_fitting
 
-    validate(plan.replace(dp=None), shape, gpu, n)
+    checked = plan.replace(dp=None)
+    if args.pp is None:
+        # the search picks PP and with it DP: whether the global batch splits over DP x micro-batch is asked of
+        # each candidate (a record's 15,360 sequences on 2,048 GPUs split at PP 16, not at PP 1)
+        checked = checked.replace(global_batch=n * plan.micro_batch)
+    validate(checked, shape, gpu, n)
     return best_fitting(shape, gpu, n, plan, _given_fields(args))
 
 

@@ -33,15 +33,20 @@ MEMORY_HEADROOM = 0.05
 #: EP overlap, else kept gathered through the step (``ParallelConfig.keeps_params_gathered``). Megatron-Core:
 #: TP, CP, FP8, 1F1B and interleaved 1F1B (combined 1F1B with EP overlap), no DualPipe. DeepSeek-V3's framework:
 #: DualPipe, no TP (report sec. 3.2). TorchTitan: TP, CP, FP8, 1F1B / interleaved / ZBV, no EP overlap.
+#: ``overlap_recompute`` False: EP overlap does not run with recompute of whole layers or of the MoE layer
+#: (``moetrain.parallel.config.ep_overlap_clashes``): Megatron-Core asserts ``recompute_granularity != 'full'``
+#: and no ``moe`` recompute module with ``overlap_moe_expert_parallel_comm`` (TransformerConfig.__post_init__),
+#: and moetrain's trainer refuses the same pairs; a search then costs such a plan without the overlap.
 FRAMEWORK_PLANS: dict[str, dict[str, Any]] = {
     "moetrain": {"tp": (1,), "cp": (1,), "precisions": ("bf16", "fp32", "fp8", "mxfp8"),
-                 "schedules": ("1f1b", "interleaved", "dualpipev", "zbv"), "ep_overlap": True, "fsdp": "trainer"},
+                 "schedules": ("1f1b", "interleaved", "dualpipev", "zbv"), "ep_overlap": True, "fsdp": "trainer",
+                 "overlap_recompute": False},
     "megatron": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved"),
-                 "ep_overlap": True, "fsdp": None},
+                 "ep_overlap": True, "fsdp": None, "overlap_recompute": False},
     "deepseek": {"tp": (1,), "cp": (1,), "precisions": None, "schedules": ("dualpipe", "1f1b"),
-                 "ep_overlap": True, "fsdp": None},
+                 "ep_overlap": True, "fsdp": None, "overlap_recompute": True},
     "torchtitan": {"tp": None, "cp": None, "precisions": None, "schedules": ("1f1b", "interleaved", "zbv"),
-                   "ep_overlap": False, "fsdp": True},
+                   "ep_overlap": False, "fsdp": True, "overlap_recompute": True},
 }
 
 def framework_conflicts(plan: Plan, framework: str) -> list[str]:
@@ -62,6 +67,8 @@ def framework_conflicts(plan: Plan, framework: str) -> list[str]:
         out.append(f"the {plan.resolved_schedule} schedule (it runs {', '.join(rules['schedules'])})")
     if plan.ep_overlap and not rules["ep_overlap"]:
         out.append("EP overlap (it has none)")
+    elif plan.ep_overlap and plan.ep > 1 and not rules["overlap_recompute"] and framework != Framework.MOETRAIN:
+        out += [f"EP overlap with {c}" for c in ep_overlap_clashes(plan.layout())]
     if framework == Framework.MOETRAIN:
         # a schedule the rules refused above is not named twice
         refused_schedule = plan.pp > 1 and plan.resolved_schedule not in rules["schedules"]
@@ -270,8 +277,9 @@ def search(model: Any, gpu: GPUSpec | str, n_gpus: int, base: Plan, *,
                                                         dispatcher=base.dispatcher)
                                     if rules and rules["fsdp"] == "trainer":
                                         cand = cand.replace(fsdp=not (p > 1 or cand.ep_overlap))
-                                    if fw == Framework.MOETRAIN and trainer_conflicts(cand) and cand.ep_overlap:
-                                        # the paired schedule does not recompute blocks: the rung without it
+                                    if (cand.ep_overlap and rules and not rules["overlap_recompute"]
+                                            and ep_overlap_clashes(cand.layout())):
+                                        # EP overlap does not recompute whole layers: the rung without it
                                         cand = cand.replace(ep_overlap=False)
                                     if fw == Framework.MOETRAIN and trainer_conflicts(cand):
                                         invalid += 1  # the trainer would refuse it: not recommended

@@ -20,14 +20,14 @@ def stage_items(shape: ModelShape, plan: Plan, item_times: dict[str, float]) -> 
     if plan.pp_layout:
         return layout_items(plan.pp_layout, shape, n_stages)
     items = default_items(shape)
-    # moetrain's pipeline-stage contract (moetrain.model.stage): the MTP modules run on the last stage, with the
-    # output head they share -- they are one unit of the split there
-    units: list[list[str]] = [[i] for i in items]
-    if plan.framework == Framework.MOETRAIN:
-        tail = len(items) - 1
-        while tail > 0 and items[tail - 1] == "m":
-            tail -= 1
-        units = [[i] for i in items[:tail]] + [items[tail:]]
+    # The MTP modules are one unit of the split with the output head they share, on the last stage: moetrain's
+    # pipeline-stage contract (moetrain.model.stage), and one of the layouts Megatron-Core runs (its "m|L", MTP
+    # standalone in a stage of its own, is the other; a plan gets it only by naming the layout), so that a
+    # recommended plan runs in either
+    tail = len(items) - 1
+    while tail > 0 and items[tail - 1] == "m":
+        tail -= 1
+    units: list[list[str]] = [[i] for i in items[:tail]] + [items[tail:]]
     parts = balanced_partition([sum(item_times[i] for i in u) for u in units], n_stages)
     return [[i for u in units[a:b] for i in u] for a, b in parts]
 
