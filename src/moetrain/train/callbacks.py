@@ -99,15 +99,21 @@ class Callback:
 
 
 class FiniteLoss(Callback):
-    """Stops the run at the first non-finite loss, naming the step and what to do."""
+    """Stops the run at the first non-finite loss or gradient norm, naming the step and what to do. A non-finite
+    gradient norm was never applied (``StepResult.applied``); every checkpoint holds finite values only (checked
+    when it is saved), so the one it points to is good."""
 
     def post_step(self, loop: LoopState, result: StepResult) -> None:
-        if math.isfinite(result.loss):
+        if math.isfinite(result.loss) and result.applied:
             return
         fix = (f"resume from the last good checkpoint {loop.last_checkpoint} with a lower train.lr (--resume --set "
                f"train.lr=... --set train.allow_schedule_change=true)" if loop.last_checkpoint else
                "no checkpoint was written yet: lower train.lr and start again")
-        raise NonFiniteLossError(f"loss became {result.loss} at step {loop.step}; {fix}")
+        what = f"loss became {result.loss}" if not math.isfinite(result.loss) else \
+            f"gradient norm became {result.grad_norm}"
+        kept = "" if result.applied else " (its update was not applied: the weights are step " \
+                                         f"{loop.step - 1}'s, and nothing non-finite is saved)"
+        raise NonFiniteLossError(f"{what} at step {loop.step}{kept}; {fix}")
 
 
 class StepMetricsLogger(Callback):

@@ -145,6 +145,32 @@ def _flat_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], list[tuple[
     return flat, built, dups, masters
 
 
+def _check_finite(flat: dict[str, Any], step: int, ctx: ParallelContext) -> None:
+    """Refuse to save non-finite weights or optimizer states (a resume from them could only fail again): counted
+    on every rank's shards and summed, so every rank refuses together.
+
+    Raises:
+        CheckpointError: the count and the first tensor holding one, with what to do.
+    """
+    keys, counts = [], []
+    for k, v in flat.items():
+        t = local_tensor(v) if isinstance(v, torch.Tensor) else None
+        if t is not None and t.is_floating_point() and t.numel():
+            keys.append(k)
+            # on the device: one read for all of them below
+            counts.append((t.numel() - torch.isfinite(t).sum()).to(ctx.device))
+    per = torch.stack(counts) if counts else torch.zeros(0, dtype=torch.int64, device=ctx.device)
+    total = per.sum().view(1)
+    if ctx.distributed:
+        dist.all_reduce(total)
+    bad = int(total.item())
+    if bad:
+        mine = [k for k, n in zip(keys, per.tolist()) if n]
+        raise CheckpointError(f"refusing to save step {step}: {bad:,} non-finite values in the model and optimizer "
+                              f"state ({mine[0] if mine else 'on another rank'} among them); the checkpoints kept "
+                              f"are finite: resume from the newest with a lower train.lr")
+
+
 def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], ctx: ParallelContext, keep: int = 2) -> Path:
     """Write ``step_<step>`` atomically (see module docstring); keep the newest ``keep`` complete checkpoints.
@@ -163,6 +189,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: Transformer, optimize
             shutil.rmtree(stale, ignore_errors=True)
     _barrier(ctx)
     flat, _, _, _ = _flat_state(model, optimizer)
+    _check_finite(flat, step, ctx)
     try:
         writer = ChecksumWriter(tmp)
         dcp.save(flat, storage_writer=writer)

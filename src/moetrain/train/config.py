@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,8 +99,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ConfigError(f"train.{name}={v!r} must be an integer >= 0")
-        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"train.lr={self.lr} must be > 0 and train.min_lr={self.min_lr} in [0, lr]")
+        if not (self.lr > 0 and math.isfinite(self.lr)) or not self.min_lr >= 0 or self.min_lr > self.lr:
+            raise ConfigError(f"train.lr={self.lr} must be finite and > 0, and train.min_lr={self.min_lr} in "
+                              f"[0, lr]")
         if self.schedule not in ("cosine", "wsd", "constant"):
             raise ConfigError(f"train.schedule={self.schedule!r}; allowed: 'cosine', 'wsd', 'constant'")
         if self.device not in ("auto", "cuda", "cpu"):

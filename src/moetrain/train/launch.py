@@ -41,6 +41,7 @@ from moetrain.train.stopping import StopRequest, clear_stop_file
 from moetrain.train.resume import (check_same_data, check_same_stream, check_same_tokenizer_file,
                                    check_schedule_unchanged)
 from moetrain.train.rank0 import ThisRankOnly, rank0_decides
+from moetrain.train.runlock import RunLock
 from moetrain.train.trainer import check_checkpoint_compatible, resolve_device, run
 
 
@@ -134,6 +135,8 @@ def preflight(job: JobConfig, world_size: int, dry_run: bool = False, torchrun: 
     join_process_group(job.parallel.timeout_s, resolve_device(job))
 
     def on_rank0() -> tuple[PreparedData, str | None]:
+        if not dry_run:  # the run's lock, held by global rank 0 until its process ends (moetrain.train.runlock)
+            RunLock(job.train.out_dir).acquire()
         ckpt = _choose_checkpoint(job)
         return _check_and_prepare(job, world_size, ckpt, print), ckpt.name if ckpt else None
 
@@ -370,6 +373,17 @@ def train_main(job: JobConfig, dry_run: bool = False, world: int | None = None,
         summary = _worker(job.to_dict(), dataclasses.asdict(prep), dry_run)
         return summary if int(os.environ["RANK"]) == 0 else None
     nproc = default_nproc(job)
+    # one training run per directory (moetrain.train.runlock), taken before the preflight reads or moves anything
+    lock = RunLock(job.train.out_dir).acquire() if not dry_run else None
+    try:
+        return _launch(job, nproc, dry_run)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _launch(job: JobConfig, nproc: int, dry_run: bool) -> dict[str, Any] | None:
+    """The preflight, then ``nproc`` local workers under torch's elastic launcher; rank 0's summary."""
     prep = preflight(job, nproc, dry_run)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -18,6 +18,8 @@ forward and backward passes, everything else is the same for all three.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -54,7 +56,8 @@ class StepResult:
     of every stage's layers, each over its own EP group), and the time lost to their imbalance
     (``moetrain.parallel.imbalance``); a2a: all-to-all seconds and dispatch bytes of the MoE layers (under PP of
     every stage's, from the ranks of this rank's pipeline), accumulated in the dispatchers since the metrics logger
-    last reset them (``moetrain.parallel.a2a_telemetry``)."""
+    last reset them (``moetrain.parallel.a2a_telemetry``); applied: False when the gradient norm was not finite and
+    the update was skipped (weights, optimizer states and expert biases untouched)."""
 
     loss: float
     lm_loss: float
@@ -71,6 +74,7 @@ class StepResult:
     balance_term: float = 0.0
     imbalance: ImbalanceStep | None = None
     a2a: A2AStep = field(default_factory=lambda: A2AStep([]))
+    applied: bool = True
 
 
 def _all_reduce(t: torch.Tensor, ctx: ParallelContext, phase: str, group: Any = None) -> torch.Tensor:
@@ -194,10 +198,16 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
     once = model.parameters(counted_once=True)
     ids = {id(p) for p in once}
     gnorm = grad_norm_and_clip(once, max_grad_norm, ctx, [p for p in model.parameters() if id(p) not in ids])
-    optimizer.step()
+    # A non-finite gradient must never reach the weights: the norm (global, the same on every rank) is read before
+    # the update, and a NaN or inf one leaves weights, optimizer states and expert biases as they were (the loop
+    # then stops the run, naming the step). One host read a step earlier than the step's end would read it.
+    applied = math.isfinite(gnorm.item())
+    if applied:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    rate = cfg.bias_update_rate if bias_update_rate is None else bias_update_rate
-    update_expert_biases(layers, loads_ME, rate)
+    if applied:
+        rate = cfg.bias_update_rate if bias_update_rate is None else bias_update_rate
+        update_expert_biases(layers, loads_ME, rate)
     # The step's one wait for the device: everything above is queued; these reads return when it has run.
     with named_phase("step end (waits for the step's queued work: gradient reduction, optimizer, metrics and "
                      "gradient-norm all-reduces)", ctx.distributed):
@@ -218,4 +228,5 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer,
     return StepResult(loss=lm_v + mtp_term + balance_term, lm_loss=lm_v, mtp_loss=mtp_v, balance_loss=bal_v,
                       grad_norm=gnorm_v, tokens_per_expert_ME=loads_cpu, n_tokens=int(norm_host[0]),
                       n_sequences=int(norm_host[-1]), dropped_tokens=int(dropped_v), pipeline_s=pipeline_s,
-                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term, imbalance=imbalance, a2a=a2a)
+                      bubble_s=bubble_s, mtp_term=mtp_term, balance_term=balance_term, imbalance=imbalance, a2a=a2a,
+                      applied=applied)
