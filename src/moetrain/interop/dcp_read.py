@@ -37,7 +37,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -48,6 +47,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
+
+from moetrain.interop.dcp_safe import SafeFileSystemReader, read_dcp_metadata
 
 __all__ = ["BoxRequest", "DCPReadError", "DCPKeyError", "TensorSpec", "BoxLoadPlanner", "checkpoint_tensors",
            "read_boxes", "read_tensor"]
@@ -122,7 +123,7 @@ def _load_metadata(ckpt_dir: str | os.PathLike) -> tuple[Path, Metadata]:
         if hit is not None and hit[0] == stamp:
             return path, hit[1]
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_dcp_metadata(path)
     except Exception as e:  # pickle errors of a truncated/foreign file come in many types
         raise DCPReadError(f"cannot read DCP metadata {str(md_path)!r}: {type(e).__name__}: {e}") from e
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
@@ -276,7 +277,7 @@ class BoxLoadPlanner(DefaultLoadPlanner):
 # Reading
 # ----------------------------------------------------------------------------------------------------------------
 
-class _OneChunkAtATimeReader(FileSystemReader):
+class _OneChunkAtATimeReader(SafeFileSystemReader):
     """FileSystemReader that returns the already-read metadata and runs the plan's ReadItems one per
     ``FileSystemReader.read_data`` call, so each deserialised saved chunk is freed before the next is loaded."""
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from moetrain.errors import CheckpointError
 from moetrain.fsutil import fsync_path
+from moetrain.interop.dcp_safe import read_dcp_metadata, safe_load
 from moetrain.model.transformer import Transformer
 from moetrain.parallel.mesh import ParallelContext
 from moetrain.parallel.parallelize import local_tensor
@@ -273,7 +274,7 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any
         raise CheckpointError(f"{path} is incomplete (no COMPLETE marker)")
     state = read_trainer_state(path)
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path)
     except Exception as e:  # noqa: BLE001 - whatever a damaged pickle raises
         raise CheckpointError(f"{path / '.metadata'} is missing or damaged ({type(e).__name__}: {e})") from None
     need: dict[str, int] = {}
@@ -348,12 +349,12 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: torch.optim
         _init_optimizer_state(part, opt)
     flat, built, dups, masters = _flat_state(model, optimizer)
     try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = read_dcp_metadata(path).state_dict_metadata
         legacy = {k: t for k, t in flat.items() if k not in stored and isinstance(t, torch.Tensor) and t.dim() > 0
                   and _EXPERT_KEY.search(k)}
         to_load = {k: t for k, t in flat.items() if k not in legacy}
         renamed = _legacy_scalar_keys(to_load, stored)
-        dcp.load(to_load, checkpoint_id=str(path))
+        safe_load(to_load, path)
         if legacy:
             _load_legacy_experts(path, legacy, stored)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, CheckpointException) as e:

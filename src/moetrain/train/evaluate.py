@@ -313,9 +313,9 @@ def _eval_worker(job_dict: dict[str, Any], ckpt: str, sources: list[np.ndarray],
     this rank, then each source's batches of this data rank through the runner's ``eval_sums``, summed over all
     ranks (only the last stage counts)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     from moetrain.config import job_config_from_dict
+    from moetrain.interop.dcp_safe import safe_load
     from moetrain.parallel.mesh import init_parallel, shutdown
     from moetrain.train.trainer import build_model_parts, resolve_device
 
@@ -324,7 +324,7 @@ def _eval_worker(job_dict: dict[str, Any], ckpt: str, sources: list[np.ndarray],
     try:
         model = build_model_parts(job, ctx, amp=None)
         for part in model.parts:  # each part's own keys: the embedding copy of a last stage is read like the first's
-            dcp.load({f"model.{k}": v for k, v in part.state_dict().items()}, checkpoint_id=ckpt)
+            safe_load({f"model.{k}": v for k, v in part.state_dict().items()}, ckpt)
         model.train(False)
         out = []
         for tokens in sources:
