@@ -17,23 +17,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.config import JobConfig
 from moetrain.errors import CheckpointError
-from moetrain.model import build_model, get_preset
 from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.mesh import init_parallel
 from moetrain.train import checkpoint as ck
 from moetrain.train import checksums as cs
 from moetrain.train.export import export_run
-from moetrain.train.optim import build_optimizer
 from moetrain.train.stopping import record_failure
+
+from .checkpoint_harness import tiny_checkpointable
 
 
 @pytest.fixture()
 def run(tmp_path):
-    cfg = get_preset("tiny").replace(vocab_size=256)
-    ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
-    model = build_model(cfg, seed=0)
-    opt = build_optimizer(model, lr=1e-3)
-    state = {"job": JobConfig().to_dict(), "model_config": cfg.to_dict()}
+    model, opt, ctx, state = tiny_checkpointable()
     for step in (5, 10):
         ck.save_checkpoint(tmp_path, step, model, opt, state, ctx, keep=3)
     return tmp_path, model, opt, ctx

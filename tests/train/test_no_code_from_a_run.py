@@ -9,16 +9,13 @@ import pickle
 
 import pytest
 
-from moetrain.config import JobConfig
 from moetrain.errors import CheckpointError
 from moetrain.interop.dcp_safe import UnsafeCheckpointError, read_dcp_metadata
-from moetrain.model import build_model, get_preset
-from moetrain.parallel.config import ParallelConfig
-from moetrain.parallel.mesh import init_parallel
 from moetrain.train import checkpoint as ck
 from moetrain.train.checksums import MANIFEST, file_sum
 from moetrain.train.export import export_run
-from moetrain.train.optim import build_optimizer
+
+from .checkpoint_harness import tiny_checkpointable
 
 
 class _Payload:
@@ -33,11 +30,7 @@ class _Payload:
 
 @pytest.fixture()
 def crafted(tmp_path):
-    cfg = get_preset("tiny").replace(vocab_size=256)
-    ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
-    model = build_model(cfg, seed=0)
-    opt = build_optimizer(model, lr=1e-3)
-    state = {"job": JobConfig().to_dict(), "model_config": cfg.to_dict()}
+    model, opt, ctx, state = tiny_checkpointable()
     for step in (5, 10):
         ck.save_checkpoint(tmp_path, step, model, opt, state, ctx, keep=3)
     newest = ck.checkpoint_dir(tmp_path) / "step_00000010"

@@ -15,12 +15,17 @@ from moetrain.data import prepare_data
 from moetrain.train.stopping import WorkerFailure
 
 
-def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
+def _six_steps(tmp_path):
+    """A one-process run of 6 steps with a checkpoint every 2, and its prepared data."""
     job = load_job_config(None, [
         "parallel.ep=1", "data.builtin_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512",
         f'data.cache_dir="{tmp_path / "cache"}"', f'train.out_dir="{tmp_path / "run"}"', "train.steps=6",
         "train.ckpt_every=2", "train.eval_every=0", "train.micro_batch_size=2", "train.tensorboard=false"])
-    prep = prepare_data(job.data)
+    return job, prepare_data(job.data)
+
+
+def test_nan_loss_stops_with_step_and_checkpoint(tmp_path, monkeypatch):
+    job, prep = _six_steps(tmp_path)
     real_step = trainer.train_step
     calls = {"n": 0}
 
@@ -50,11 +55,7 @@ def test_a_nan_gradient_is_never_applied_and_the_advice_points_to_a_finite_check
     import moetrain.train.step as step_mod
     from moetrain.train.checkpoint import latest_checkpoint
 
-    job = load_job_config(None, [
-        "parallel.ep=1", "data.builtin_max_bytes=200000", "data.vocab_size=512", "model.vocab_size=512",
-        f'data.cache_dir="{tmp_path / "cache"}"', f'train.out_dir="{tmp_path / "run"}"', "train.steps=6",
-        "train.ckpt_every=2", "train.eval_every=0", "train.micro_batch_size=2", "train.tensorboard=false"])
-    prep = prepare_data(job.data)
+    job, prep = _six_steps(tmp_path)
     real = step_mod.grad_norm_and_clip
     seen: dict[str, list] = {"params": [], "before": []}
 
@@ -88,19 +89,12 @@ def test_a_nan_gradient_is_never_applied_and_the_advice_points_to_a_finite_check
 
 
 def test_non_finite_values_are_never_saved(tmp_path):
-    from moetrain.config import JobConfig
     from moetrain.errors import CheckpointError
-    from moetrain.model import build_model, get_preset
-    from moetrain.parallel.config import ParallelConfig
-    from moetrain.parallel.mesh import init_parallel
     from moetrain.train.checkpoint import save_checkpoint
-    from moetrain.train.optim import build_optimizer
 
-    cfg = get_preset("tiny").replace(vocab_size=256)
-    ctx = init_parallel(ParallelConfig(), cfg.n_routed_experts, device="cpu")
-    model = build_model(cfg, seed=0)
-    opt = build_optimizer(model, lr=1e-3)
-    state = {"job": JobConfig().to_dict(), "model_config": cfg.to_dict()}
+    from .checkpoint_harness import tiny_checkpointable
+
+    model, opt, ctx, state = tiny_checkpointable()
     save_checkpoint(tmp_path, 1, model, opt, state, ctx)
     with torch.no_grad():
         model.layers[1].mlp.experts.w2_EDF[0, 0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
